@@ -1,0 +1,82 @@
+"""`medusa` command line: generate, bench (and the subcommands other packages register)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+from .errors import MedusaError
+
+# Subcommands that live elsewhere register themselves through `add_parser(subparsers)`.
+EXTERNAL_COMMANDS = ["medusa.bench"]
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct), a model "
+                   "directory, a .gguf file or a hub id")
+    p.add_argument("--heads", default="default", help="heads directory, 'default' (shipped) or 'none'")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="medusa", description="Self-speculative decoding with Medusa heads")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts (batched)")
+    g.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    add_model_args(g)
+    g.add_argument("--mode", default="medusa", choices=["plain", "medusa"])
+    g.add_argument("--tree", default=None, help="tree file or shipped name (tree-8/16/32/64)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--raw", action="store_true", help="use prompts as raw text, without the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.set_defaults(func=cmd_generate)
+
+    for name in EXTERNAL_COMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+        module.add_parser(sub)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except MedusaError as exc:
+        print(f"medusa {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .runtime import Runtime
+
+    if args.max_new_tokens <= 0:
+        raise MedusaError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    rt = Runtime.load(args.model, args.heads if args.mode == "medusa" else "none", args.dtype, args.device)
+    prompts = rt.encode(args.prompt, raw=args.raw)
+    proposer = rt.proposer(args.mode, args.tree)
+    gen = rt.engine.generate(prompts, args.max_new_tokens, proposer)
+    stats = {"mode": gen.mode, "batch_size": len(prompts), "new_tokens": gen.stats.new_tokens,
+             "forward_passes": gen.stats.forward_passes, "mean_accepted": round(gen.stats.mean_accepted, 4),
+             "tokens_per_s": round(gen.tokens_per_s, 2), "seconds": round(gen.seconds, 3)}
+    if proposer is not None:
+        stats["tree"] = proposer.tree.name
+        stats["acceptance_by_head"] = [round(a, 4) for a in gen.stats.acceptance_by_head()]
+    outputs = [{"text": rt.decode(o.tokens), "token_ids": o.tokens, "finish_reason": o.reason}
+               for o in gen.outputs]
+    if args.json:
+        print(json.dumps({"outputs": outputs, "stats": stats}))
+        return 0
+    for i, o in enumerate(outputs):
+        print(f"--- [{i}] ({len(o['token_ids'])} tokens, {o['finish_reason']})\n{o['text']}")
+    print("--- stats: " + ", ".join(f"{k}={v}" for k, v in stats.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

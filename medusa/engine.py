@@ -1,0 +1,236 @@
+"""The decoding loop shared by the CLI, the evaluator and the server.
+
+A `Batch` holds up to `rows` sequences in one KV cache. Each `Engine.step` runs one target pass over
+every active row: the pending root token plus the proposer's candidate tree (just the root for plain
+decoding), verifies, commits the accepted entries of each row, and retires rows that are done. Rows have
+their own lengths and accept different numbers of tokens; nothing in the step loops over rows in Python.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import torch
+
+from .errors import MedusaError
+from .proposers import Proposer
+from .transformer import Transformer
+from .tree import ROOT_ONLY
+from .verifier import GreedyVerifier
+
+
+@dataclass
+class Stats:
+    forward_passes: int = 0
+    steps: int = 0
+    row_steps: int = 0
+    new_tokens: int = 0
+    accept_hist: list[int] = field(default_factory=list)  # accept_hist[a]: row-steps accepting a candidates
+
+    @property
+    def mean_accepted(self) -> float:
+        """tau: tokens produced per row per verification step (accepted candidates + the target's own)."""
+        return sum((a + 1) * c for a, c in enumerate(self.accept_hist)) / max(self.row_steps, 1)
+
+    def acceptance_by_head(self) -> list[float]:
+        """P(candidate k accepted | candidates before it accepted), k = 0 .. depth-1."""
+        h = self.accept_hist
+        return [sum(h[k + 1:]) / max(sum(h[k:]), 1) for k in range(len(h) - 1)]
+
+    def add_hist(self, accepted: torch.Tensor, width: int) -> None:
+        counts = torch.bincount(accepted, minlength=width).tolist()
+        if len(self.accept_hist) < len(counts):
+            self.accept_hist += [0] * (len(counts) - len(self.accept_hist))
+        for a, c in enumerate(counts):
+            self.accept_hist[a] += c
+
+
+@dataclass
+class Finished:
+    id: Hashable
+    tokens: list[int]
+    reason: str  # "stop" (EOS) or "length"
+
+
+@dataclass
+class StepOutput:
+    ids: list[Hashable]       # request id of each row that took part, in row order
+    tokens: torch.Tensor      # [n, m] new tokens per row (first `counts[r]` valid)
+    counts: torch.Tensor      # [n]
+    finished: list[Finished]
+
+
+class Batch:
+    """Decoding state of up to `rows` sequences: cache, pending root token and its hidden state, outputs."""
+
+    def __init__(self, model: Transformer, rows: int, capacity: int, max_new_tokens: int):
+        dev = model.device
+        self.cache = model.new_cache(rows, capacity)
+        self.n = 0
+        self.ids: list[Hashable] = []
+        self.root = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=model.dtype, device=dev)
+        self.out = torch.zeros(rows, max_new_tokens + 1, dtype=torch.long, device=dev)
+        self.out_len = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.max_new = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.stats = Stats()
+
+    @property
+    def free(self) -> int:
+        return self.cache.rows - self.n
+
+    def remove(self, ids: list[Hashable]) -> list[Finished]:
+        """Drop rows (finished, cancelled) and close the gap by moving the last rows into their slots."""
+        slots = sorted(self.ids.index(i) for i in ids)
+        gone = set(slots)
+        done = [Finished(self.ids[s], self.out[s, : int(self.out_len[s])].tolist(), "") for s in slots]
+        keep_n = self.n - len(slots)
+        holes = [s for s in slots if s < keep_n]
+        movers = [s for s in range(keep_n, self.n) if s not in gone]
+        if holes:
+            self.cache.move_rows(movers, holes)
+            src, dst = torch.tensor(movers, device=self.root.device), torch.tensor(holes, device=self.root.device)
+            for t in (self.root, self.hidden, self.out, self.out_len, self.max_new):
+                t[dst] = t[src]
+            for s, d in zip(movers, holes):
+                self.ids[d] = self.ids[s]
+        del self.ids[keep_n:]
+        self.n = keep_n
+        return done
+
+
+class Engine:
+    def __init__(self, model: Transformer, eos_token_ids: list[int] | int | None, verifier=None):
+        self.model = model
+        eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
+        self.eos = torch.tensor(eos, dtype=torch.long, device=model.device)
+        self.verifier = verifier or GreedyVerifier()
+
+    def new_batch(self, rows: int, capacity: int, max_new_tokens: int) -> Batch:
+        return Batch(self.model, rows, capacity, max_new_tokens)
+
+    @torch.inference_mode()
+    def add(self, batch: Batch, ids: list[Hashable], prompts: list[list[int]],
+            max_new_tokens: int | list[int]) -> StepOutput:
+        """Prefill new rows (right-padded into one pass) and decide each row's first token."""
+        if not prompts:
+            return StepOutput([], torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), [])
+        if len(prompts) > batch.free:
+            raise MedusaError(f"batch has room for {batch.free} more rows, {len(prompts)} requested")
+        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        for i, (p, m) in enumerate(zip(prompts, limits)):
+            if not p:
+                raise MedusaError(f"prompt {i} is empty")
+            if m <= 0:
+                raise MedusaError(f"max_new_tokens must be positive, got {m}")
+            if m > batch.out.shape[1] - 1:
+                raise MedusaError(f"max_new_tokens {m} exceeds this batch's limit {batch.out.shape[1] - 1}")
+        dev = self.model.device
+        k, t = len(prompts), max(len(p) for p in prompts)
+        rows = slice(batch.n, batch.n + k)
+        tokens = torch.zeros(k, t, dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        plen = torch.tensor([len(p) for p in prompts], device=dev)
+        batch.cache.lens[rows] = 0
+        positions = torch.arange(t, device=dev).expand(k, t)
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        hidden = self.model(tokens, positions, batch.cache, rows, causal)
+        last = hidden[torch.arange(k, device=dev), plen - 1]
+        batch.cache.lens[rows] = plen
+        batch.n += k
+        batch.ids.extend(ids)
+        batch.hidden[rows] = last
+        batch.root[rows] = self.model.lm_head(last).argmax(-1)
+        batch.out_len[rows] = 0
+        batch.max_new[rows] = torch.tensor(limits, device=dev)
+        batch.stats.forward_passes += 1
+        return self._emit(batch, rows, batch.root[rows, None], torch.ones(k, dtype=torch.long, device=dev))
+
+    @torch.inference_mode()
+    def step(self, batch: Batch, proposer: Proposer | None = None) -> StepOutput:
+        """One verification pass over all active rows."""
+        n = batch.n
+        rows = slice(0, n)
+        tree = proposer.tree if proposer is not None else ROOT_ONLY
+        buf = tree.buffers(self.model.device)
+        tokens = batch.root[rows, None]
+        if tree.size > 1:
+            tokens = torch.cat([tokens, proposer.propose(batch)], dim=1)
+        positions = batch.cache.lens[rows, None] + buf.depth
+        hidden = self.model(tokens, positions, batch.cache, rows, buf.mask)
+        verdict = self.verifier.verify(self.model.lm_head(hidden), tokens, buf)
+        accepted = verdict.accepted
+        batch.cache.commit(rows, verdict.path, accepted + 1)
+        last = verdict.path.gather(1, accepted[:, None])[:, 0]
+        batch.hidden[rows] = hidden[torch.arange(n, device=hidden.device), last]
+        batch.root[rows] = verdict.next_token
+        # New output tokens: the accepted candidates followed by the target's own next token.
+        new = torch.cat([tokens.gather(1, verdict.path[:, 1:]), verdict.next_token[:, None]], dim=1)
+        new.scatter_(1, accepted[:, None], verdict.next_token[:, None])
+        batch.stats.forward_passes += 1
+        batch.stats.steps += 1
+        batch.stats.row_steps += n
+        batch.stats.add_hist(accepted, tree.depth + 1)
+        return self._emit(batch, rows, new, accepted + 1)
+
+    def _emit(self, batch: Batch, rows: slice, new: torch.Tensor, count: torch.Tensor) -> StepOutput:
+        """Append new tokens to each row's output, cut at EOS / max tokens, retire finished rows."""
+        j = torch.arange(new.shape[1], device=new.device)
+        is_eos = torch.isin(new, self.eos) & (j < count[:, None])
+        hit = is_eos.any(1)
+        count = torch.where(hit, is_eos.long().argmax(1) + 1, count)
+        count = torch.minimum(count, batch.max_new[rows] - batch.out_len[rows])
+        out = batch.out[rows]
+        idx = (batch.out_len[rows, None] + j).clamp(max=out.shape[1] - 1)
+        keep = j < count[:, None]
+        out.scatter_(1, idx, torch.where(keep, new, out.gather(1, idx)))
+        batch.out_len[rows] += count
+        batch.stats.new_tokens += int(count.sum())
+        length = batch.out_len[rows] >= batch.max_new[rows]
+        ids = batch.ids[rows]
+        finished = []
+        done = (hit | length).nonzero()[:, 0].tolist()
+        if done:
+            reason = {ids[r]: "stop" if bool(hit[r]) else "length" for r in done}
+            finished = batch.remove([ids[r] for r in done])
+            for f in finished:
+                f.reason = reason[f.id]
+        return StepOutput(ids, new, count, finished)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, proposer: Proposer | None = None,
+                 ) -> "Generation":
+        """Decode a fixed set of prompts to completion (the CLI's and the evaluator's entry point)."""
+        if max_new_tokens <= 0:
+            raise MedusaError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+        if not prompts:
+            raise MedusaError("no prompts given")
+        extra = proposer.tree.size if proposer is not None else 1
+        capacity = max(len(p) for p in prompts) + max_new_tokens + extra + 1
+        batch = self.new_batch(len(prompts), capacity, max_new_tokens)
+        start = time.perf_counter()
+        results: dict[Any, Finished] = {}
+        for f in self.add(batch, list(range(len(prompts))), prompts, max_new_tokens).finished:
+            results[f.id] = f
+        while batch.n:
+            for f in self.step(batch, proposer).finished:
+                results[f.id] = f
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        return Generation([results[i] for i in range(len(prompts))], batch.stats, seconds,
+                          proposer.name if proposer is not None else "plain")
+
+
+@dataclass
+class Generation:
+    outputs: list[Finished]
+    stats: Stats
+    seconds: float
+    mode: str
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.stats.new_tokens / max(self.seconds, 1e-9)

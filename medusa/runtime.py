@@ -1,0 +1,90 @@
+"""One place that turns user choices (model, heads, tree, dtype) into a ready engine.
+
+The CLI, the evaluator and the server all build their engine here, so a flag means the same everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .engine import Engine
+from .errors import MedusaError
+from .heads import SHIPPED_DIR, MedusaHeads
+from .model import DEFAULT_MODEL, default_device, load_target
+from .proposers import MedusaProposer, Proposer
+from .transformer import Transformer
+from .tree import Tree, load_tree
+
+DEFAULT_TREE = "tree-16"
+
+
+@dataclass
+class Runtime:
+    hf_model: torch.nn.Module
+    tokenizer: object
+    model: Transformer
+    engine: Engine
+    heads: MedusaHeads | None
+
+    @classmethod
+    def load(cls, model: str = DEFAULT_MODEL, heads: str | None = "default", dtype: str = "bf16",
+             device: str | None = None) -> "Runtime":
+        hf_model, tokenizer = load_target(model, dtype, device or default_device())
+        transformer = Transformer(hf_model)
+        return cls(hf_model, tokenizer, transformer, Engine(transformer, eos_ids(hf_model, tokenizer)),
+                   load_heads(heads, hf_model))
+
+    def proposer(self, mode: str, tree: str | Tree | None = None) -> Proposer | None:
+        if mode == "plain":
+            return None
+        if mode == "medusa":
+            shape = tree if isinstance(tree, Tree) else load_tree(tree or DEFAULT_TREE)
+            if self.heads is None:
+                raise MedusaError("--mode medusa needs heads: pass --heads PATH (no shipped heads fit this model)")
+            return MedusaProposer(self.heads, shape)
+        raise MedusaError(f"--mode: unknown mode {mode!r} (choose plain or medusa)")
+
+    def encode(self, prompts: list[str], raw: bool = False) -> list[list[int]]:
+        """Token ids per prompt: chat messages through the chat template, or raw text."""
+        out = []
+        for i, text in enumerate(prompts):
+            if not text or not text.strip():
+                raise MedusaError(f"--prompt {i + 1} is empty")
+            if raw or not getattr(self.tokenizer, "chat_template", None):
+                ids = self.tokenizer(text)["input_ids"]
+            else:
+                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                         add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if not isinstance(ids, list) else ids
+            out.append(list(ids))
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def eos_ids(hf_model, tokenizer) -> list[int]:
+    ids = getattr(hf_model.generation_config, "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def load_heads(spec: str | None, hf_model) -> MedusaHeads | None:
+    """`none` -> no heads; `default` -> the shipped heads (if any for this model); else a directory."""
+    if spec in (None, "none"):
+        return None
+    if spec == "default":
+        if not (SHIPPED_DIR / "heads.json").exists():
+            return None
+        heads = MedusaHeads.load(SHIPPED_DIR)
+        if heads.config.hidden_size != hf_model.config.hidden_size:
+            return None  # the shipped heads belong to the embedded model, not to a user's --model
+        return heads.attach(hf_model)
+    if not Path(spec).is_dir():
+        raise MedusaError(f"--heads: {spec} is not a directory")
+    return MedusaHeads.load(spec).attach(hf_model)

@@ -1,0 +1,48 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, vocab: int = 97):
+    """A small random decoder whose logits are peaked enough that fp32 argmax has no near-ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              initializer_range=0.3, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    else:
+        raise ValueError(arch)
+    return model.eval().requires_grad_(False)
+
+
+def mixed_prompts(batch: int, vocab: int = 97, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1 + (7 * i + 3) % 19 for i in range(batch)]
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos=None) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
+    tokens = out[0, len(prompt):].tolist()
+    if eos is not None and eos in tokens:
+        tokens = tokens[: tokens.index(eos) + 1]
+    return tokens
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The embedded SmolLM2 in fp32, loaded once per test session (converted once per machine)."""
+    from medusa.runtime import Runtime
+
+    return Runtime.load("default", heads="default", dtype="fp32", device="cpu")

@@ -1,0 +1,154 @@
+"""Greedy speculative decoding must reproduce plain greedy decoding token for token, batched."""
+
+import pytest
+import torch
+
+from conftest import hf_greedy, mixed_prompts, tiny_model
+from medusa.engine import Engine
+from medusa.heads import HeadsConfig, MedusaHeads
+from medusa.proposers import MedusaProposer
+from medusa.transformer import Transformer
+from medusa.tree import Tree, chain, load_tree
+
+MAX_NEW = 24
+
+
+def random_heads(model, num_heads=4, seed=0, std=0.3):
+    torch.manual_seed(seed)
+    heads = MedusaHeads(HeadsConfig(model.config.hidden_size, model.config.vocab_size, num_heads, 1))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return heads.attach(model)
+
+
+class OracleProposer:
+    """Proposes the known greedy continuation along rank-0 paths, wrong tokens elsewhere, and breaks the
+    correct path at a random depth: rows accept different, known-to-vary numbers of tokens each step."""
+
+    name = "oracle"
+
+    def __init__(self, tree: Tree, reference: dict, vocab: int, seed: int = 0):
+        self.tree, self.reference, self.vocab = tree, reference, vocab
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def propose(self, batch):
+        n = batch.n
+        out = torch.zeros(n, self.tree.size - 1, dtype=torch.long)
+        for r in range(n):
+            ref = self.reference[batch.ids[r]]
+            pos = int(batch.out_len[r])  # ref[pos] is the token after the pending root
+            cut = int(torch.randint(0, self.tree.depth + 1, (1,), generator=self.gen))
+            for i, path in enumerate(self.tree.nodes):
+                d = len(path)
+                good = pos + d - 1 < len(ref) and all(x == 0 for x in path) and d <= cut
+                tok = ref[pos + d - 1] if good else (ref[min(pos + d - 1, len(ref) - 1)] + 1 + path[-1]) % self.vocab
+                out[r, i] = tok
+        return out
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def setup(request):
+    model = tiny_model(request.param)
+    return model, Engine(Transformer(model), eos_token_ids=None)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
+def test_plain_matches_hf_generate(setup, batch_size):
+    model, engine = setup
+    prompts = mixed_prompts(batch_size)
+    gen = engine.generate(prompts, MAX_NEW)
+    assert [o.tokens for o in gen.outputs] == [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    assert gen.stats.mean_accepted == 1.0
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
+@pytest.mark.parametrize("tree", ["tree-8", "tree-16", "tree-64"])
+def test_medusa_random_heads_match_plain(setup, batch_size, tree):
+    model, engine = setup
+    prompts = mixed_prompts(batch_size, seed=batch_size)
+    plain = engine.generate(prompts, MAX_NEW)
+    spec = engine.generate(prompts, MAX_NEW, MedusaProposer(random_heads(model), load_tree(tree)))
+    assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
+    assert spec.stats.forward_passes <= plain.stats.forward_passes
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
+@pytest.mark.parametrize("tree", ["tree-16", "chain"])
+def test_ragged_acceptance_matches_plain(setup, batch_size, tree):
+    """Many tokens accepted, a different number per row and step: outputs still equal HF generate."""
+    model, engine = setup
+    prompts = mixed_prompts(batch_size, seed=10 + batch_size)
+    reference = {i: hf_greedy(model, p, MAX_NEW) for i, p in enumerate(prompts)}
+    shape = chain(4) if tree == "chain" else load_tree(tree)
+    spec = engine.generate(prompts, MAX_NEW, OracleProposer(shape, reference, model.config.vocab_size))
+    assert [o.tokens for o in spec.outputs] == [reference[i] for i in range(batch_size)]
+    assert spec.stats.mean_accepted > 1.8  # the proposer really was accepted, several tokens at a time
+    assert len(set(spec.stats.accept_hist)) > 1
+
+
+def test_rows_finish_at_eos_at_different_steps():
+    model = tiny_model("llama", seed=3)
+    prompts = mixed_prompts(8, seed=4)
+    # Pick as EOS a token that plain decoding emits at different times in different rows.
+    free = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    counts = torch.bincount(torch.tensor(sum(free, [])), minlength=97)
+    eos = int(counts.argmax())
+    engine = Engine(Transformer(model), eos_token_ids=[eos])
+    reference = [hf_greedy(model, p, MAX_NEW, eos=eos) for p in prompts]
+    assert len({len(r) for r in reference}) > 2
+    for proposer in (None, MedusaProposer(random_heads(model), load_tree("tree-16")),
+                     OracleProposer(load_tree("tree-16"), dict(enumerate(reference)), 97)):
+        gen = engine.generate(prompts, MAX_NEW, proposer)
+        assert [o.tokens for o in gen.outputs] == reference
+        assert [o.reason for o in gen.outputs] == ["stop" if r[-1] == eos else "length" for r in reference]
+
+
+def test_finished_rows_stop_costing_work():
+    model = tiny_model("llama")
+    engine = Engine(Transformer(model), eos_token_ids=None)
+    batch = engine.new_batch(4, 64, 20)
+    engine.add(batch, ["a", "b", "c", "d"], [[1, 2], [3], [4, 5, 6], [7]], [2, 20, 3, 20])
+    sizes = []
+    while batch.n:
+        sizes.append(batch.n)
+        engine.step(batch)
+    assert sizes[0] == 4 and sizes[2] == 2 and sizes[-1] == 2  # a and c leave after 2 and 3 tokens
+    assert sorted(batch.ids) == []
+
+
+def test_rows_join_a_running_batch():
+    """Continuous batching: a row added mid-flight decodes exactly as it would alone."""
+    model = tiny_model("qwen2")
+    engine = Engine(Transformer(model), eos_token_ids=None)
+    prompts = mixed_prompts(3, seed=7)
+    proposer = MedusaProposer(random_heads(model), load_tree("tree-8"))
+    batch = engine.new_batch(3, 128, MAX_NEW)
+    done = {}
+    for f in engine.add(batch, [0], prompts[:1], MAX_NEW).finished:
+        done[f.id] = f.tokens
+    for step in range(12):
+        if step == 3:
+            engine.add(batch, [1, 2], prompts[1:], MAX_NEW)
+        for f in engine.step(batch, proposer if step % 2 else None).finished:  # modes may switch per step
+            done[f.id] = f.tokens
+    while batch.n:
+        for f in engine.step(batch, proposer).finished:
+            done[f.id] = f.tokens
+    assert [done[i] for i in range(3)] == [hf_greedy(model, p, MAX_NEW) for p in prompts]
+
+
+def test_remove_cancels_a_row():
+    model = tiny_model("llama")
+    engine = Engine(Transformer(model), eos_token_ids=None)
+    prompts = mixed_prompts(3, seed=8)
+    batch = engine.new_batch(3, 128, MAX_NEW)
+    engine.add(batch, [0, 1, 2], prompts, MAX_NEW)
+    engine.step(batch)
+    batch.remove([1])
+    assert batch.ids == [0, 2] and batch.n == 2
+    done = {}
+    while batch.n:
+        for f in engine.step(batch).finished:
+            done[f.id] = f.tokens
+    assert done[0] == hf_greedy(model, prompts[0], MAX_NEW)
+    assert done[2] == hf_greedy(model, prompts[2], MAX_NEW)

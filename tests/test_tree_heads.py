@@ -1,0 +1,153 @@
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from medusa.errors import MedusaError
+from medusa.heads import HeadsConfig, MedusaHeads
+from medusa.proposers import MedusaProposer
+from medusa.tree import Tree, build_tree, chain, load_tree
+from medusa.verifier import GreedyVerifier
+
+
+def test_tree_buffers_hand_worked():
+    # root=0, [0]=1, [1]=2, [0,0]=3, [0,1]=4, [1,0]=5, [0,0,0]=6
+    tree = Tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    b = tree.buffers()
+    assert tree.size == 7 and tree.depth == 3 and tree.topk == 2
+    assert b.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    expected_mask = [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0],
+        [1, 0, 1, 0, 0, 1, 0],
+        [1, 1, 0, 1, 0, 0, 1],
+    ]
+    assert b.mask.int().tolist() == expected_mask
+    # flattened top-k index: head (depth-1) * topk + rank
+    assert b.cand_index.tolist() == [0, 1, 2, 3, 2, 4]
+    # leaves [0,1], [1,0], [0,0,0]: root-to-leaf chains padded by repeating the leaf
+    assert b.paths.tolist() == [[0, 1, 4, 4], [0, 2, 5, 5], [0, 1, 3, 6]]
+    assert b.path_len.tolist() == [2, 2, 3]
+
+
+def test_chain_and_root_only():
+    b = chain(3).buffers()
+    assert b.paths.tolist() == [[0, 1, 2, 3]]
+    assert b.mask.int().tolist() == torch.ones(4, 4).tril().int().tolist()
+
+
+def test_greedy_verifier_picks_longest_path():
+    tree = Tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    v = 10
+    tokens = torch.tensor([[5, 1, 2, 3, 4, 6, 7]])
+    # target argmax after each node: root->2 (so node 2 accepted), node2 -> 6 (node 5 accepted), node5 -> 9
+    pred = torch.tensor([[2, 0, 6, 0, 0, 9, 0]])
+    logits = torch.nn.functional.one_hot(pred, v).float()
+    verdict = GreedyVerifier().verify(logits, tokens, tree.buffers())
+    assert verdict.accepted.tolist() == [2]
+    assert verdict.path[0, :3].tolist() == [0, 2, 5]
+    assert verdict.next_token.tolist() == [9]
+
+
+@pytest.mark.parametrize("bad", [[[0, 1]], [[0], [-1]], [[]]])
+def test_malformed_trees_are_refused(bad):
+    with pytest.raises(MedusaError):
+        Tree(bad)
+
+
+def test_tree_deeper_than_heads_is_refused():
+    model = tiny_model()
+    heads = MedusaHeads(HeadsConfig(64, 97, num_heads=2)).attach(model)
+    with pytest.raises(MedusaError, match="only 2 heads"):
+        MedusaProposer(heads, load_tree("tree-16"))
+
+
+def test_unknown_tree_name(tmp_path):
+    with pytest.raises(MedusaError, match="tree-8"):
+        load_tree("no-such-tree")
+    bad = tmp_path / "t.yaml"
+    bad.write_text("paths: [[0], 'x']\n")
+    with pytest.raises(MedusaError, match="integer paths"):
+        load_tree(str(bad))
+
+
+def test_shipped_trees_load():
+    for n in (8, 16, 32, 64):
+        assert load_tree(f"tree-{n}").size == n + 1
+
+
+def test_build_tree_prefers_likely_nodes():
+    acc = [[0.9, 0.05], [0.8, 0.1], [0.7, 0.1]]
+    tree = build_tree(acc, 3)
+    assert tree.nodes == [(0,), (0, 0), (0, 0, 0)]
+    tree = build_tree([[0.5, 0.4], [0.1, 0.05]], 3)
+    assert tree.nodes == [(0,), (1,), (0, 0)]
+
+
+def _random_heads(own: bool, seed=0):
+    model = tiny_model()
+    torch.manual_seed(seed)
+    heads = MedusaHeads(HeadsConfig(64, 97, num_heads=3, num_layers=2, own_lm_head=own), model.lm_head)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return model, heads.attach(model)
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_heads_roundtrip_own_layout(tmp_path, own):
+    model, heads = _random_heads(own)
+    x = torch.randn(5, 64)
+    heads.save(tmp_path)
+    loaded = MedusaHeads.load(tmp_path).attach(model)
+    assert torch.equal(heads(x), loaded(x))
+    assert heads(x).shape == (3, 5, 97)
+    # shared projection: only the residual blocks are stored
+    assert sum(p.numel() for p in loaded.parameters()) == 3 * 2 * (64 * 64 + 64) + own * 3 * 64 * 97
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_heads_roundtrip_medusa_layout(tmp_path, own):
+    model, heads = _random_heads(own)
+    heads.save(tmp_path, medusa_layout=True)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    assert meta["medusa_num_heads"] == 3 and meta["medusa_num_layers"] == 2
+    from safetensors.torch import load_file
+    keys = set(load_file(str(tmp_path / "medusa_lm_head.safetensors")))
+    assert {"0.0.linear.weight", "2.1.linear.bias", "1.2.weight"} <= keys
+    loaded = MedusaHeads.load(tmp_path).attach(model)
+    x = torch.randn(4, 64)
+    assert torch.allclose(heads(x), loaded(x))
+
+
+def test_medusa_layout_pt_file(tmp_path):
+    model, heads = _random_heads(True)
+    heads.save(tmp_path, medusa_layout=True)
+    from safetensors.torch import load_file
+    torch.save(load_file(str(tmp_path / "medusa_lm_head.safetensors")), tmp_path / "medusa_lm_head.pt")
+    (tmp_path / "medusa_lm_head.safetensors").unlink()
+    x = torch.randn(2, 64)
+    assert torch.allclose(heads(x), MedusaHeads.load(tmp_path).attach(model)(x))
+
+
+def test_untrained_heads_repeat_the_base_prediction():
+    """Zero-initialised blocks: every head starts as the base model's own lm_head."""
+    model = tiny_model()
+    heads = MedusaHeads(HeadsConfig(64, 97, num_heads=2)).attach(model)
+    h = torch.randn(3, 64)
+    out = heads(h)
+    assert torch.allclose(out[0], model.lm_head(h)) and torch.allclose(out[1], model.lm_head(h))
+
+
+def test_heads_for_other_hidden_size_are_refused():
+    heads = MedusaHeads(HeadsConfig(32, 97))
+    with pytest.raises(MedusaError, match="hidden size 32"):
+        heads.attach(tiny_model())
+
+
+def test_heads_dir_without_heads(tmp_path):
+    with pytest.raises(MedusaError, match="holds no heads"):
+        MedusaHeads.load(tmp_path)
