@@ -75,7 +75,18 @@ class Batch:
         self.out = torch.zeros(rows, max_new_tokens + 1, dtype=torch.long, device=dev)
         self.out_len = torch.zeros(rows, dtype=torch.long, device=dev)
         self.max_new = torch.zeros(rows, dtype=torch.long, device=dev)
+        # Every row's committed tokens (prompt, then output; the pending root is not included): what
+        # context-based proposers read (prompt lookup) and what a draft model catches up on.
+        self.seq = torch.zeros(rows, capacity, dtype=torch.long, device=dev)
+        # Per-row state that proposers keep beside the batch (e.g. a draft model's KV cache); anything
+        # with `move_rows(src, dst)` is kept in step when rows are compacted.
+        self.aux: dict[str, Any] = {}
         self.stats = Stats()
+
+    @property
+    def seq_len(self) -> torch.Tensor:
+        """[n] committed length of each active row (= its KV cache length)."""
+        return self.cache.lens[: self.n]
 
     @property
     def free(self) -> int:
@@ -91,8 +102,10 @@ class Batch:
         movers = [s for s in range(keep_n, self.n) if s not in gone]
         if holes:
             self.cache.move_rows(movers, holes)
+            for state in self.aux.values():
+                state.move_rows(movers, holes)
             src, dst = torch.tensor(movers, device=self.root.device), torch.tensor(holes, device=self.root.device)
-            for t in (self.root, self.hidden, self.out, self.out_len, self.max_new):
+            for t in (self.root, self.hidden, self.out, self.out_len, self.max_new, self.seq):
                 t[dst] = t[src]
             for s, d in zip(movers, holes):
                 self.ids[d] = self.ids[s]
@@ -140,6 +153,7 @@ class Engine:
         hidden = self.model(tokens, positions, batch.cache, rows, causal)
         last = hidden[torch.arange(k, device=dev), plen - 1]
         batch.cache.lens[rows] = plen
+        batch.seq[rows, :t] = tokens
         batch.n += k
         batch.ids.extend(ids)
         batch.hidden[rows] = last
@@ -163,12 +177,18 @@ class Engine:
         hidden = self.model(tokens, positions, batch.cache, rows, buf.mask)
         verdict = self.verifier.verify(self.model.lm_head(hidden), tokens, buf)
         accepted = verdict.accepted
+        committed = tokens.gather(1, verdict.path)  # root + accepted candidates (+ junk past accepted+1)
+        lens = batch.cache.lens[rows, None]
+        idx = lens + torch.arange(committed.shape[1], device=lens.device)  # < capacity: the pass fitted
+        seq = batch.seq[rows]
+        valid = idx - lens <= accepted[:, None]
+        seq.scatter_(1, idx, torch.where(valid, committed, seq.gather(1, idx)))
         batch.cache.commit(rows, verdict.path, accepted + 1)
         last = verdict.path.gather(1, accepted[:, None])[:, 0]
         batch.hidden[rows] = hidden[torch.arange(n, device=hidden.device), last]
         batch.root[rows] = verdict.next_token
         # New output tokens: the accepted candidates followed by the target's own next token.
-        new = torch.cat([tokens.gather(1, verdict.path[:, 1:]), verdict.next_token[:, None]], dim=1)
+        new = torch.cat([committed[:, 1:], verdict.next_token[:, None]], dim=1)
         new.scatter_(1, accepted[:, None], verdict.next_token[:, None])
         batch.stats.forward_passes += 1
         batch.stats.steps += 1

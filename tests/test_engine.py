@@ -131,6 +131,11 @@ def test_rows_join_a_running_batch():
             engine.add(batch, [1, 2], prompts[1:], MAX_NEW)
         for f in engine.step(batch, proposer if step % 2 else None).finished:  # modes may switch per step
             done[f.id] = f.tokens
+        for r in range(batch.n):  # the batch's record of committed tokens: prompt + all but the pending root
+            n_out = int(batch.out_len[r])
+            expect = prompts[batch.ids[r]] + batch.out[r, : n_out - 1].tolist()
+            assert batch.seq[r, : int(batch.cache.lens[r])].tolist() == expect
+            assert int(batch.root[r]) == int(batch.out[r, n_out - 1])
     while batch.n:
         for f in engine.step(batch, proposer).finished:
             done[f.id] = f.tokens
