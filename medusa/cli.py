@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -11,7 +12,7 @@ import sys
 from .errors import MedusaError
 
 # Subcommands that live elsewhere register themselves through `add_parser(subparsers)`.
-EXTERNAL_COMMANDS = ["medusa.bench"]
+EXTERNAL_COMMANDS = ["medusa.bench", "medusa.evaluate", "train.cli", "serve.cli"]
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -37,11 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(func=cmd_generate)
 
     for name in EXTERNAL_COMMANDS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-        module.add_parser(sub)
+        if importlib.util.find_spec(name.split(".")[0]) and importlib.util.find_spec(name):
+            importlib.import_module(name).add_parser(sub)
 
     args = parser.parse_args(argv)
     try:
