@@ -1,0 +1,353 @@
+"""The HTTP layer: OpenAI-shaped endpoints over the scheduler.
+
+POST /v1/chat/completions, /v1/completions (JSON or SSE streaming), GET /v1/models, /health, /metrics.
+Every failure is answered as {"error": {"message", "type", "param", "code"}} with a 4xx/5xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from medusa.errors import MedusaError
+from medusa.runtime import Runtime
+from medusa.sampling import SamplingParams
+from medusa.tree import load_tree
+
+from .config import ServeConfig
+from .metrics import Metrics
+from .policy import Decision, SpeculationPolicy
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .scheduler import Event, Overloaded, Request, Scheduler
+
+log = logging.getLogger("serve.app")
+POLL_S = 0.25  # how often a waiting handler checks whether its client is still connected
+RETRY_AFTER_S = 1
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 error_type: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.error_type, self.headers = error_type, headers
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code), exc.status,
+                        headers=exc.headers)
+
+
+def served_name(cfg: ServeConfig, rt: Runtime) -> str:
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    name = str(getattr(rt.hf_model, "name_or_path", "") or cfg.model)
+    return Path(name).name if Path(name).exists() else name
+
+
+class Server:
+    """Everything a running server holds: runtime, policy, proposers, scheduler, metrics."""
+
+    def __init__(self, cfg: ServeConfig, rt: Runtime, draft: Any = None):
+        self.cfg, self.rt = cfg, rt
+        self.name = served_name(cfg, rt)
+        self.metrics = Metrics()
+        self.policy = SpeculationPolicy(cfg.policy, has_medusa=rt.heads is not None, has_draft=draft is not None)
+        # Build every proposer up front: a bad tree name or a heads/tree mismatch fails at startup.
+        self.medusa = {}
+        if rt.heads is not None:
+            for name in sorted(set(self.policy.trees.values())):
+                self.medusa[name] = rt.proposer("medusa", load_tree(name))
+        self.draft = draft
+        sizes = [p.tree.size for p in self.medusa.values()] + ([draft.tree.size] if draft is not None else [])
+        self.scheduler = Scheduler(
+            rt.engine, rt.tokenizer, self.policy, self.proposer_for, self.metrics,
+            max_batch=cfg.max_batch, max_context=cfg.max_context, max_queue=cfg.max_queue,
+            queue_timeout_s=cfg.queue_timeout_s, prefill_tokens_per_step=cfg.prefill_tokens_per_step,
+            max_proposal_tokens=max(sizes, default=1))
+        self.warned_sampling = False
+
+    def proposer_for(self, decision: Decision) -> Any:
+        if decision.mode == "medusa":
+            return self.medusa.get(decision.tree)
+        if decision.mode == "draft":
+            return self.draft
+        return None
+
+    # ---- request -> engine request ------------------------------------------------------------------
+    def check_model(self, model: str) -> None:
+        if model not in (self.name, self.cfg.model):
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.name!r} "
+                           "(see GET /v1/models)", "model", "model_not_found")
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        tok = self.rt.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+                    for m in body.messages]
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # template errors (e.g. role order the template refuses) are the input's
+            raise ApiError(400, f"messages could not be formatted with the chat template: {exc}",
+                           "messages") from None
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        return list(ids)
+
+    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], int):
+            vocab = self.rt.model.config.vocab_size
+            if min(p) < 0 or max(p) >= vocab:
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+            return list(p)
+        text = p[0] if isinstance(p, list) else p
+        return list(self.rt.tokenizer(text)["input_ids"])
+
+    def make_request(self, prompt: list[int], body: Any, max_tokens: int | None, param: str,
+                     on_event: Any) -> Request:
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param)
+        room = self.cfg.max_context - len(prompt)
+        if room < 1:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens; this server's context is "
+                           f"{self.cfg.max_context} tokens", param, "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(self.cfg.default_max_tokens, room)
+        elif max_tokens > room:
+            raise ApiError(400, f"max_tokens {max_tokens} + prompt {len(prompt)} tokens exceeds this "
+                           f"server's context of {self.cfg.max_context} tokens", "max_tokens",
+                           "context_length_exceeded")
+        sampling = SamplingParams(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, seed=body.seed)
+        if not sampling.greedy and not self.scheduler.sampling_supported and not self.warned_sampling:
+            log.warning("the engine does not sample yet: temperature > 0 requests are decoded greedily")
+            self.warned_sampling = True
+        return Request(prompt, max_tokens, on_event, sampling, body.stop_list())
+
+
+def parse_body(raw: bytes, model: type) -> Any:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(x) for x in err["loc"] if not str(x).startswith(("str", "list[", "int", "function"))]
+        param = ".".join(loc) or None
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown field {param!r} (not supported by this server)"
+        elif err["type"] == "missing":
+            msg = f"missing required field {param!r}"
+        else:
+            msg = f"invalid value for {param!r}: {msg}"
+        extra = len(exc.errors()) - 1
+        raise ApiError(400, msg + (f" (and {extra} more problems)" if extra else ""), param) from None
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def next_event(queue: asyncio.Queue, http: HttpRequest) -> Event | None:
+    """The next scheduler event, or None once the client has disconnected."""
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), POLL_S)
+        except asyncio.TimeoutError:
+            if await http.is_disconnected():
+                return None
+
+
+def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -> FastAPI:
+    """The FastAPI app; builds the runtime from `cfg` unless one is given (tests pass tiny models)."""
+    if rt is None:
+        rt = Runtime.load(cfg.model, cfg.heads, cfg.dtype, cfg.device)
+    if draft is None and cfg.draft:
+        draft = load_draft(cfg, rt)
+    server = Server(cfg, rt, draft)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.scheduler.start()
+        yield
+        server.scheduler.stop()
+
+    app = FastAPI(title="medusa", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: HttpRequest, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _crash(_: HttpRequest, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal server error: {exc}", "server_error"), 500)
+
+    @app.get("/health")
+    async def health() -> dict:
+        running, queued = server.scheduler.load
+        return {"status": "ok", "model": server.name, "running": running, "queued": queued,
+                "steps": server.scheduler.steps}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": 0,
+                                            "owned_by": "medusa"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: HttpRequest) -> Response:
+        body = parse_body(await http.body(), ChatCompletionRequest)
+        server.check_model(body.model)
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
+        limit = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+        return await run(http, body, server.chat_prompt(body), limit, "messages", chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest) -> Response:
+        body = parse_body(await http.body(), CompletionRequest)
+        server.check_model(body.model)
+        return await run(http, body, server.completion_prompt(body), body.max_tokens, "prompt", chat=False)
+
+    async def run(http: HttpRequest, body: Any, prompt: list[int], max_tokens: int | None, param: str,
+                  chat: bool) -> Response:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        req = server.make_request(prompt, body, max_tokens, param,
+                                  lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        try:
+            server.scheduler.submit(req)
+        except Overloaded:
+            raise ApiError(429, "server overloaded: the request queue is full; retry later", None,
+                           "queue_full", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)}) from None
+        shape = Shape(chat, server.name, len(prompt))
+        # Wait for the first result before answering, so queue timeouts and errors get a real status.
+        first = await next_event(events, http)
+        if first is None:
+            server.scheduler.cancel(req)
+            return Response(status_code=499)
+        if first.kind == "error":
+            raise ApiError(first.status, first.text, None, first.code, first.error_type,
+                           {"Retry-After": str(RETRY_AFTER_S)} if first.status == 503 else None)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream(http, req, events, first, shape, usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text, ev = "", first
+        while True:
+            if ev is None:
+                server.scheduler.cancel(req)
+                return Response(status_code=499)
+            if ev.kind == "error":
+                raise ApiError(ev.status, ev.text, None, ev.code, ev.error_type)
+            text += ev.text
+            if ev.kind == "done":
+                return JSONResponse(shape.full(text, ev))
+            ev = await next_event(events, http)
+
+    async def stream(http: HttpRequest, req: Request, events: asyncio.Queue, first: Event, shape: "Shape",
+                     usage: bool) -> AsyncIterator[str]:
+        try:
+            if shape.chat:
+                yield sse(shape.chunk({"role": "assistant", "content": ""}, None))
+            ev: Event | None = first
+            while ev is not None:
+                if ev.kind == "error":
+                    yield sse(error_body(ev.text, ev.error_type, None, ev.code))
+                    break
+                if ev.text:
+                    yield sse(shape.chunk(ev.text, None))
+                if ev.kind == "done":
+                    yield sse(shape.chunk("", ev.finish_reason))
+                    if usage:
+                        yield sse(shape.usage_chunk(ev))
+                    yield "data: [DONE]\n\n"
+                    break
+                ev = await next_event(events, http)
+        finally:
+            server.scheduler.cancel(req)  # a no-op once finished; frees the row if the client left
+
+    return app
+
+
+class Shape:
+    """Builds OpenAI response objects for one request (chat or text completion)."""
+
+    def __init__(self, chat: bool, model: str, prompt_tokens: int):
+        self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def usage(self, ev: Event) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": ev.tokens,
+                "total_tokens": self.prompt_tokens + ev.tokens}
+
+    def _head(self, suffix: str) -> dict:
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": obj + suffix, "created": self.created, "model": self.model}
+
+    def full(self, text: str, ev: Event) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": ev.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
+        return {**self._head(""), "choices": [choice], "usage": self.usage(ev)}
+
+    def chunk(self, delta: str | dict, finish: str | None) -> dict:
+        if self.chat:
+            d = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            return {**self._head(".chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+        return {**self._head(""), "choices": [choice]}
+
+    def usage_chunk(self, ev: Event) -> dict:
+        return {**self._head(".chunk" if self.chat else ""), "choices": [], "usage": self.usage(ev)}
+
+
+def load_draft(cfg: ServeConfig, rt: Runtime) -> Any:
+    """A draft-model proposer for `draft` speculation (medusa.draft), on the target's device and dtype."""
+    try:
+        from medusa.draft import DraftProposer
+    except ImportError:
+        raise MedusaError("--draft: draft-model speculation is not available (medusa.draft is missing)") from None
+    from medusa.model import load_target
+    from medusa.transformer import Transformer
+
+    hf, _ = load_target(cfg.draft, cfg.dtype, rt.model.device)
+    if hf.config.vocab_size != rt.model.config.vocab_size:
+        raise MedusaError(f"--draft: {cfg.draft} has a vocabulary of {hf.config.vocab_size}, the target "
+                          f"{rt.model.config.vocab_size}; the draft must share the target's tokenizer")
+    return DraftProposer(Transformer(hf), cfg.draft_k)

@@ -1,0 +1,46 @@
+"""`medusa serve`: start the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from medusa.errors import MedusaError
+
+from .config import load_config
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    p.add_argument("--config", default=None, help="YAML file (configs/serve/*.yaml); flags override it")
+    p.add_argument("--model", default=None, help="'default' (embedded model), a model directory, .gguf or hub id")
+    p.add_argument("--heads", default=None, help="heads directory, 'default' (shipped) or 'none'")
+    p.add_argument("--draft", default=None, help="draft model (shares the target's tokenizer) for draft speculation")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
+    p.add_argument("--policy", default=None, choices=["dynamic", "medusa", "draft", "plain"],
+                   help="speculation policy (default dynamic)")
+    p.add_argument("--cost-model", default=None, help="evaluator cost-model JSON for the dynamic policy")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    keys = ("model", "heads", "draft", "dtype", "device", "host", "port")
+    cfg = load_config(args.config, {k: getattr(args, k) for k in keys})
+    if args.policy or args.cost_model:
+        policy = cfg.policy.model_dump()
+        policy.update({k: v for k, v in (("mode", args.policy), ("cost_model", args.cost_model)) if v})
+        cfg = load_config(None, {**cfg.model_dump(), "policy": policy})
+    if cfg.port == 0:
+        raise MedusaError("--port: 0 is not a port to serve on; pick one, e.g. 8000")
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from .app import create_app
+
+    app = create_app(cfg)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    return 0

@@ -1,0 +1,104 @@
+"""Server configuration: one pydantic model, filled from a YAML file and/or command-line flags.
+
+Unknown keys and bad values are refused with a MedusaError that names the key, so a typo in a config file
+never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from medusa.errors import MedusaError
+
+PolicyMode = Literal["dynamic", "medusa", "draft", "plain"]
+
+
+class PolicyConfig(BaseModel):
+    """How each engine step chooses between Medusa, draft-model and plain decoding."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: PolicyMode = "dynamic"
+    # Load (running rows + queued requests) at which speculation switches off, and at which it switches
+    # back on. The gap between them is the hysteresis that stops the mode flapping at one load level.
+    high_watermark: int = Field(8, ge=1)
+    low_watermark: int = Field(4, ge=0)
+    # Medusa tree per running batch size: the largest key <= batch size applies.
+    trees: dict[int, str] = Field(default_factory=lambda: {1: "tree-32", 4: "tree-16", 8: "tree-8"})
+    # Acceptance gate: mean tokens per row-step (tau) over the last `window` speculative steps; below
+    # `min_tau` speculation pauses for `retry_after_steps` steps and is then tried again.
+    window: int = Field(32, ge=1)
+    min_tau: float = Field(1.3, ge=1.0)
+    retry_after_steps: int = Field(128, ge=1)
+    # Evaluator cost-model JSON ({"recommendation": {"<batch size>": "medusa"|"draft"|"plain"},
+    # optional "best_tree": {"<batch size>": "<tree name or path>"}}); it overrides watermarks and trees.
+    cost_model: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "PolicyConfig":
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(f"low_watermark ({self.low_watermark}) must be below high_watermark "
+                             f"({self.high_watermark})")
+        if not self.trees or min(self.trees) < 1:
+            raise ValueError("trees needs at least one entry, keyed by batch sizes >= 1")
+        return self
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "default"
+    heads: str = "default"
+    draft: str | None = None
+    draft_k: int = Field(4, ge=1, le=16)
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    device: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    served_model_name: str | None = None  # the id clients pass as `model` (default: the model's name)
+    max_batch: int = Field(32, ge=1, le=1024)  # rows decoded together (KV cache slots)
+    max_context: int = Field(2048, ge=16)  # prompt + completion tokens per request
+    default_max_tokens: int = Field(256, ge=1)
+    max_queue: int = Field(64, ge=0)  # requests waiting for a slot; beyond it new ones get 429
+    queue_timeout_s: float = Field(60.0, gt=0)
+    prefill_tokens_per_step: int = Field(512, ge=1)  # prompt tokens prefilled between two decode steps
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    parts = []
+    for err in exc.errors():
+        key = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{key}: {msg}")
+    return f"{source}: " + "; ".join(parts)
+
+
+def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> ServeConfig:
+    """Read a YAML config (optional), apply non-None overrides (flags), validate."""
+    data: dict[str, Any] = {}
+    source = "serve config"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise MedusaError(f"--config: {path} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise MedusaError(f"--config: {path} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise MedusaError(f"--config: {path} must hold a mapping of keys to values")
+        data = loaded or {}
+        source = str(path)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            data[key] = value
+    try:
+        return ServeConfig.model_validate(data)
+    except ValidationError as exc:
+        raise MedusaError(_describe(exc, source)) from None
