@@ -23,6 +23,30 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
 
 
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--acceptance", default=None, choices=["greedy", "rejection", "typical"],
+                   help="how speculative candidates are accepted when sampling (default: rejection, "
+                        "lossless; greedy when temperature is 0)")
+    p.add_argument("--typical-epsilon", type=float, default=0.3)
+    p.add_argument("--typical-delta", type=float, default=0.09)
+
+
+def sampling_from_args(args: argparse.Namespace):
+    from .sampling import SamplingParams
+
+    acceptance = args.acceptance or ("greedy" if args.temperature == 0 else "rejection")
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                              acceptance=acceptance, typical_epsilon=args.typical_epsilon,
+                              typical_delta=args.typical_delta)
+    except MedusaError as exc:
+        raise MedusaError(f"--{str(exc).split()[0].replace('_', '-')}: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="medusa", description="Self-speculative decoding with Medusa heads")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--mode", default="medusa", choices=["plain", "medusa"])
     g.add_argument("--tree", default=None, help="tree file or shipped name (tree-8/16/32/64)")
     g.add_argument("--max-new-tokens", type=int, default=128)
+    add_sampling_args(g)
     g.add_argument("--raw", action="store_true", help="use prompts as raw text, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.set_defaults(func=cmd_generate)
@@ -54,11 +79,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens <= 0:
         raise MedusaError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    sampling = sampling_from_args(args)
     rt = Runtime.load(args.model, args.heads if args.mode == "medusa" else "none", args.dtype, args.device)
     prompts = rt.encode(args.prompt, raw=args.raw)
     proposer = rt.proposer(args.mode, args.tree)
-    gen = rt.engine.generate(prompts, args.max_new_tokens, proposer)
-    stats = {"mode": gen.mode, "batch_size": len(prompts), "new_tokens": gen.stats.new_tokens,
+    gen = rt.engine.generate(prompts, args.max_new_tokens, proposer, sampling)
+    stats = {"mode": gen.mode, "acceptance": sampling.acceptance if not sampling.greedy else "greedy",
+             "batch_size": len(prompts), "new_tokens": gen.stats.new_tokens,
              "forward_passes": gen.stats.forward_passes, "mean_accepted": round(gen.stats.mean_accepted, 4),
              "tokens_per_s": round(gen.tokens_per_s, 2), "seconds": round(gen.seconds, 3)}
     if proposer is not None:

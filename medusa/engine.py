@@ -16,9 +16,10 @@ import torch
 
 from .errors import MedusaError
 from .proposers import Proposer
+from .sampling import GREEDY, RowSampling, SamplingParams, sample_from
 from .transformer import Transformer
 from .tree import ROOT_ONLY
-from .verifier import GreedyVerifier
+from .verifier import GreedyVerifier, SamplingVerifier
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Batch:
         # Per-row state that proposers keep beside the batch (e.g. a draft model's KV cache); anything
         # with `move_rows(src, dst)` is kept in step when rows are compacted.
         self.aux: dict[str, Any] = {}
+        self.sampling = RowSampling(rows, dev)
         self.stats = Stats()
 
     @property
@@ -102,7 +104,7 @@ class Batch:
         movers = [s for s in range(keep_n, self.n) if s not in gone]
         if holes:
             self.cache.move_rows(movers, holes)
-            for state in self.aux.values():
+            for state in (self.sampling, *self.aux.values()):
                 state.move_rows(movers, holes)
             src, dst = torch.tensor(movers, device=self.root.device), torch.tensor(holes, device=self.root.device)
             for t in (self.root, self.hidden, self.out, self.out_len, self.max_new, self.seq):
@@ -120,13 +122,14 @@ class Engine:
         eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
         self.eos = torch.tensor(eos, dtype=torch.long, device=model.device)
         self.verifier = verifier or GreedyVerifier()
+        self.sampler = SamplingVerifier()
 
     def new_batch(self, rows: int, capacity: int, max_new_tokens: int) -> Batch:
         return Batch(self.model, rows, capacity, max_new_tokens)
 
     @torch.inference_mode()
     def add(self, batch: Batch, ids: list[Hashable], prompts: list[list[int]],
-            max_new_tokens: int | list[int]) -> StepOutput:
+            max_new_tokens: int | list[int], sampling: list[SamplingParams] | None = None) -> StepOutput:
         """Prefill new rows (right-padded into one pass) and decide each row's first token."""
         if not prompts:
             return StepOutput([], torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), [])
@@ -157,7 +160,13 @@ class Engine:
         batch.n += k
         batch.ids.extend(ids)
         batch.hidden[rows] = last
-        batch.root[rows] = self.model.lm_head(last).argmax(-1)
+        batch.sampling.set(rows, sampling or [GREEDY] * k)
+        logits = self.model.lm_head(last)
+        if batch.sampling.any_sampling(rows):
+            p = batch.sampling.probs(logits[:, None], rows)[:, 0]
+            batch.root[rows] = sample_from(p, batch.sampling.uniform(rows, 1)[:, 0])
+        else:
+            batch.root[rows] = logits.argmax(-1)
         batch.out_len[rows] = 0
         batch.max_new[rows] = torch.tensor(limits, device=dev)
         batch.stats.forward_passes += 1
@@ -170,12 +179,20 @@ class Engine:
         rows = slice(0, n)
         tree = proposer.tree if proposer is not None else ROOT_ONLY
         buf = tree.buffers(self.model.device)
-        tokens = batch.root[rows, None]
+        tokens, proposal = batch.root[rows, None], None
         if tree.size > 1:
-            tokens = torch.cat([tokens, proposer.propose(batch)], dim=1)
+            candidates = proposer.propose(batch)
+            if isinstance(candidates, tuple):  # (tokens, the distributions they were drawn from)
+                candidates, proposal = candidates
+            tokens = torch.cat([tokens, candidates], dim=1)
         positions = batch.cache.lens[rows, None] + buf.depth
         hidden = self.model(tokens, positions, batch.cache, rows, buf.mask)
-        verdict = self.verifier.verify(self.model.lm_head(hidden), tokens, buf)
+        logits = self.model.lm_head(hidden)
+        if batch.sampling.any_sampling(rows):
+            p = batch.sampling.probs(logits, rows)
+            verdict = self.sampler.verify(p, tokens, buf, batch.sampling, rows, proposal)
+        else:
+            verdict = self.verifier.verify(logits, tokens, buf)
         accepted = verdict.accepted
         committed = tokens.gather(1, verdict.path)  # root + accepted candidates (+ junk past accepted+1)
         lens = batch.cache.lens[rows, None]
@@ -221,7 +238,7 @@ class Engine:
         return StepOutput(ids, new, count, finished)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, proposer: Proposer | None = None,
-                 ) -> "Generation":
+                 sampling: SamplingParams | list[SamplingParams] | None = None) -> "Generation":
         """Decode a fixed set of prompts to completion (the CLI's and the evaluator's entry point)."""
         if max_new_tokens <= 0:
             raise MedusaError(f"--max-new-tokens must be positive, got {max_new_tokens}")
@@ -232,7 +249,9 @@ class Engine:
         batch = self.new_batch(len(prompts), capacity, max_new_tokens)
         start = time.perf_counter()
         results: dict[Any, Finished] = {}
-        for f in self.add(batch, list(range(len(prompts))), prompts, max_new_tokens).finished:
+        if isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        for f in self.add(batch, list(range(len(prompts))), prompts, max_new_tokens, sampling).finished:
             results[f.id] = f
         while batch.n:
             for f in self.step(batch, proposer).finished:

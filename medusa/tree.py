@@ -27,6 +27,8 @@ class TreeBuffers:
     cand_index:  [T-1] long, index into the heads' flattened top-k ([num_heads * topk]) per non-root node
     paths:       [P, D+1] long, root-to-leaf node indices, padded by repeating the leaf
     path_len:    [P] long, number of non-root nodes on each path
+    children:    [T, C] long, each node's children in rank order, padded with -1
+    parent:      [T] long, each node's parent (the root is its own)
     """
 
     mask: torch.Tensor
@@ -34,6 +36,8 @@ class TreeBuffers:
     cand_index: torch.Tensor
     paths: torch.Tensor
     path_len: torch.Tensor
+    children: torch.Tensor
+    parent: torch.Tensor
 
 
 class Tree:
@@ -91,7 +95,14 @@ class Tree:
             chain += [chain[-1]] * (self.depth + 1 - len(chain))
             paths[r] = torch.tensor(chain)
         path_len = torch.tensor([len(leaf) for leaf in leaves], dtype=torch.long)
-        return TreeBuffers(*(x.to(device) for x in (mask, depth, cand_index, paths, path_len)))
+        kids: list[list[int]] = [[] for _ in range(t)]
+        for p, i in index.items():
+            if p:
+                kids[index[p[:-1]]].append(i)  # nodes are sorted, so children come in rank order
+        width = max(1, max(len(k) for k in kids))
+        children = torch.tensor([k + [-1] * (width - len(k)) for k in kids], dtype=torch.long)
+        parent = torch.tensor([index[p[:-1]] if p else 0 for p in [()] + self.nodes], dtype=torch.long)
+        return TreeBuffers(*(x.to(device) for x in (mask, depth, cand_index, paths, path_len, children, parent)))
 
 
 def chain(k: int) -> Tree:

@@ -1,0 +1,147 @@
+"""Sampling with speculation: rejection sampling keeps the target distribution exactly; typical does not."""
+
+import pytest
+import torch
+
+from conftest import hf_greedy, mixed_prompts, tiny_model
+from medusa.engine import Engine
+from medusa.errors import MedusaError
+from medusa.heads import HeadsConfig, MedusaHeads
+from medusa.proposers import MedusaProposer
+from medusa.sampling import SamplingParams
+from medusa.transformer import Transformer
+from medusa.tree import chain, load_tree
+
+V = 8
+PROMPT = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def small():
+    model = tiny_model("llama", seed=5, vocab=V)
+    # Flatter logits than the default tiny model, so that every token has real probability mass.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.15)
+    return model, Engine(Transformer(model), eos_token_ids=None)
+
+
+def exact_pairs(model, params: SamplingParams) -> torch.Tensor:
+    """Exact probability of each (first, second) output token pair under plain sampling: [V*V]."""
+    def dist(seq):
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[0, -1] / params.temperature
+        return torch.softmax(logits.double(), -1)
+    p1 = dist(PROMPT)
+    return torch.stack([p1[a] * dist(PROMPT + [a]) for a in range(V)]).flatten()
+
+
+def sample_pairs(engine, proposer, params, n=6000) -> torch.Tensor:
+    gen = engine.generate([PROMPT] * n, 2, proposer, params)
+    pairs = torch.tensor([o.tokens[0] * V + o.tokens[1] for o in gen.outputs])
+    return torch.bincount(pairs, minlength=V * V).double()
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test, cells with expected count < 5 lumped together."""
+    expected = probs * counts.sum()
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), stat / 2))
+
+
+class SampledChain:
+    """A chain proposer that draws its tokens from an arbitrary (wrong) distribution q and says so."""
+
+    name = "sampled-chain"
+
+    def __init__(self, k: int, seed: int = 0):
+        self.tree = chain(k)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def propose(self, batch):
+        n = batch.n
+        logits = torch.randn(n, self.tree.size - 1, V, generator=self.gen) * 1.5
+        q = torch.softmax(logits, -1)
+        tokens = torch.multinomial(q.view(-1, V), 1, generator=self.gen).view(n, -1)
+        return tokens, q
+
+
+def random_heads(model, seed=0):
+    torch.manual_seed(seed)
+    heads = MedusaHeads(HeadsConfig(model.config.hidden_size, V, 4, 1))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return heads.attach(model)
+
+
+PARAMS = SamplingParams(temperature=1.0, acceptance="rejection", seed=None)
+
+
+def test_plain_sampling_matches_exact_distribution(small):
+    model, engine = small
+    assert chi_square_pvalue(sample_pairs(engine, None, PARAMS), exact_pairs(model, PARAMS)) > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["tree", "chain"])
+def test_rejection_sampling_is_lossless(small, kind):
+    model, engine = small
+    proposer = MedusaProposer(random_heads(model), load_tree("tree-8")) if kind == "tree" else SampledChain(3)
+    counts = sample_pairs(engine, proposer, PARAMS)
+    assert chi_square_pvalue(counts, exact_pairs(model, PARAMS)) > 1e-3
+
+
+def test_typical_acceptance_is_not_lossless(small):
+    """The same test rejects Medusa's typical acceptance, so the test above can fail."""
+    model, engine = small
+    params = SamplingParams(temperature=1.0, acceptance="typical", typical_epsilon=0.3, typical_delta=0.5)
+    proposer = MedusaProposer(random_heads(model), load_tree("tree-8"))
+    counts = sample_pairs(engine, proposer, params)
+    assert chi_square_pvalue(counts, exact_pairs(model, params)) < 1e-6
+
+
+def test_top_k_and_top_p_restrict_the_support(small):
+    model, engine = small
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([PROMPT])).logits[0, -1], -1)
+    order = first.argsort(descending=True).tolist()
+    proposer = MedusaProposer(random_heads(model), load_tree("tree-8"))
+    gen = engine.generate([PROMPT] * 400, 1, proposer, SamplingParams(temperature=1.0, top_k=2))
+    assert {o.tokens[0] for o in gen.outputs} == set(order[:2])
+    cut = float(first[order[0]]) + 1e-6  # top_p just above the top token's mass keeps exactly two tokens
+    gen = engine.generate([PROMPT] * 400, 1, proposer, SamplingParams(temperature=1.0, top_p=cut))
+    assert {o.tokens[0] for o in gen.outputs} == set(order[:2])
+
+
+def test_seeded_runs_are_reproducible(small):
+    model, engine = small
+    proposer = MedusaProposer(random_heads(model), load_tree("tree-16"))
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
+    a = engine.generate(mixed_prompts(3, vocab=V), 20, proposer, params)
+    b = engine.generate(mixed_prompts(3, vocab=V)[::-1], 20, proposer, params[::-1])
+    assert [o.tokens for o in a.outputs] == [o.tokens for o in b.outputs][::-1]
+    c = engine.generate(mixed_prompts(3, vocab=V), 20, proposer, [SamplingParams(temperature=1.0, seed=9)] * 3)
+    assert [o.tokens for o in a.outputs] != [o.tokens for o in c.outputs]
+
+
+def test_rows_with_different_temperatures_in_one_batch():
+    model = tiny_model("qwen2")
+    engine = Engine(Transformer(model), eos_token_ids=None)
+    prompts = mixed_prompts(4, seed=3)
+    heads = MedusaHeads(HeadsConfig(64, 97, 4, 1)).attach(model)
+    params = [SamplingParams(), SamplingParams(temperature=1.5, seed=1), SamplingParams(),
+              SamplingParams(temperature=0.7, acceptance="typical", seed=2)]
+    gen = engine.generate(prompts, 16, MedusaProposer(heads, load_tree("tree-16")), params)
+    for i in (0, 2):  # greedy rows stay token-identical to plain greedy decoding
+        assert gen.outputs[i].tokens == hf_greedy(model, prompts[i], 16)
+    assert gen.outputs[1].tokens != hf_greedy(model, prompts[1], 16)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
+                                    dict(acceptance="maybe")])
+def test_bad_sampling_parameters(kwargs):
+    with pytest.raises(MedusaError):
+        SamplingParams(**kwargs)
