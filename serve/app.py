@@ -152,7 +152,7 @@ def parse_body(raw: bytes, model: type) -> Any:
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = [str(x) for x in err["loc"] if not str(x).startswith(("str", "list[", "int", "function"))]
+        loc = [str(x) for x in err["loc"] if not _is_type_tag(str(x))]
         param = ".".join(loc) or None
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
@@ -165,18 +165,34 @@ def parse_body(raw: bytes, model: type) -> Any:
         raise ApiError(400, msg + (f" (and {extra} more problems)" if extra else ""), param) from None
 
 
+def _is_type_tag(part: str) -> bool:
+    """pydantic puts the union member tried (`str`, `list[int]`, `function-after[...]`) into `loc`."""
+    return part in ("str", "int", "float", "bool") or "[" in part
+
+
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def next_event(queue: asyncio.Queue, http: HttpRequest) -> Event | None:
-    """The next scheduler event, or None once the client has disconnected."""
-    while True:
-        try:
-            return await asyncio.wait_for(queue.get(), POLL_S)
-        except asyncio.TimeoutError:
-            if await http.is_disconnected():
-                return None
+class ClientWatch:
+    """Hands out a request's scheduler events and notices, at least every POLL_S, a client that left."""
+
+    def __init__(self, http: HttpRequest, events: asyncio.Queue):
+        self.http, self.events = http, events
+        self.checked = time.monotonic()
+
+    async def next(self) -> Event | None:
+        """The next event, or None once the client has disconnected."""
+        while True:
+            # Checked on a clock, not only when idle: a busy request gets events every step.
+            if time.monotonic() - self.checked >= POLL_S:
+                self.checked = time.monotonic()
+                if await self.http.is_disconnected():
+                    return None
+            try:
+                return await asyncio.wait_for(self.events.get(), POLL_S)
+            except asyncio.TimeoutError:
+                pass
 
 
 def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -> FastAPI:
@@ -253,7 +269,8 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
                            "queue_full", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)}) from None
         shape = Shape(chat, server.name, len(prompt))
         # Wait for the first result before answering, so queue timeouts and errors get a real status.
-        first = await next_event(events, http)
+        watch = ClientWatch(http, events)
+        first = await watch.next()
         if first is None:
             server.scheduler.cancel(req)
             return Response(status_code=499)
@@ -262,7 +279,7 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
                            {"Retry-After": str(RETRY_AFTER_S)} if first.status == 503 else None)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(http, req, events, first, shape, usage),
+            return StreamingResponse(stream(watch, req, first, shape, usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text, ev = "", first
         while True:
@@ -274,9 +291,9 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
             text += ev.text
             if ev.kind == "done":
                 return JSONResponse(shape.full(text, ev))
-            ev = await next_event(events, http)
+            ev = await watch.next()
 
-    async def stream(http: HttpRequest, req: Request, events: asyncio.Queue, first: Event, shape: "Shape",
+    async def stream(watch: ClientWatch, req: Request, first: Event, shape: "Shape",
                      usage: bool) -> AsyncIterator[str]:
         try:
             if shape.chat:
@@ -294,7 +311,7 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
                         yield sse(shape.usage_chunk(ev))
                     yield "data: [DONE]\n\n"
                     break
-                ev = await next_event(events, http)
+                ev = await watch.next()
         finally:
             server.scheduler.cancel(req)  # a no-op once finished; frees the row if the client left
 

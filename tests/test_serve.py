@@ -1,0 +1,310 @@
+"""The server end to end: real `openai` client against uvicorn on a free loopback port, tiny random model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from serve.app import create_app
+from serve.config import ServeConfig
+from serve_util import embedded_tokenizer, free_port, running_server, tiny_runtime
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+CLIENT_TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return embedded_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def rt(tokenizer):
+    return tiny_runtime(tokenizer)
+
+
+def serve(rt, **overrides):
+    base = dict(dtype="fp32", max_batch=8, max_context=512, default_max_tokens=16)
+    return running_server(create_app(ServeConfig(**{**base, **overrides}), rt))
+
+
+@pytest.fixture(scope="module")
+def server(rt):
+    # Dynamic policy with a low watermark: load changes during the tests switch between Medusa and plain.
+    policy = {"mode": "dynamic", "high_watermark": 3, "low_watermark": 1, "min_tau": 1.0,
+              "trees": {1: "tree-32", 2: "tree-16", 4: "tree-8"}}
+    with serve(rt, policy=policy, max_queue=64) as url:
+        yield url
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT)
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                       tokenize=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def alone(rt, ids: list[int], max_tokens: int) -> tuple[str, int, str]:
+    """Text, token count and finish reason of plain greedy decoding of one prompt on its own."""
+    out = rt.engine.generate([ids], max_tokens).outputs[0]
+    text = rt.tokenizer.decode(out.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return text, len(out.tokens), out.reason
+
+
+def model_name(url: str) -> str:
+    return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def test_models_health_metrics(server):
+    assert model_name(server) == "default"
+    health = httpx.get(server + "/health", timeout=10).json()
+    assert health["status"] == "ok" and health["running"] == 0
+    metrics = httpx.get(server + "/metrics", timeout=10)
+    assert metrics.status_code == 200 and "medusa_requests_running" in metrics.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_matches_decoding_alone(server, rt, tokenizer, stream):
+    c = client(server)
+    text = "Tell me about the sea."
+    want, n, _ = alone(rt, chat_ids(tokenizer, text), 20)
+    kw = dict(model="default", messages=[{"role": "user", "content": text}], max_tokens=20)
+    if stream:
+        chunks = list(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        got = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+        usage = chunks[-1].usage
+    else:
+        r = c.chat.completions.create(**kw)
+        got, usage = r.choices[0].message.content, r.usage
+        assert r.choices[0].finish_reason == "length" and r.object == "chat.completion"
+    assert got == want
+    assert usage.completion_tokens == n == 20
+    assert usage.prompt_tokens == len(chat_ids(tokenizer, text))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_matches_decoding_alone(server, rt, tokenizer, stream):
+    c = client(server)
+    prompt = "The capital of France is"
+    want, n, _ = alone(rt, tokenizer(prompt)["input_ids"], 12)
+    if stream:
+        chunks = list(c.completions.create(model="default", prompt=prompt, max_tokens=12, stream=True))
+        got = "".join(ch.choices[0].text for ch in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        r = c.completions.create(model="default", prompt=prompt, max_tokens=12)
+        got = r.choices[0].text
+        assert r.usage.completion_tokens == n and r.usage.prompt_tokens == len(tokenizer(prompt)["input_ids"])
+    assert got == want
+
+
+def test_many_concurrent_streams_match_decoding_alone(server, rt, tokenizer):
+    """36 streaming clients with mixed prompts and lengths, more than the 8 batch rows: all complete,
+    each equal to its prompt decoded alone (nothing lost, duplicated or interleaved across requests)."""
+    jobs = [(f"Request {i}: write about topic number {i * 7 % 13}" + " please" * (i % 5), 4 + (i * 11) % 29)
+            for i in range(36)]
+    expected = [alone(rt, tokenizer(p)["input_ids"], m)[0] for p, m in jobs]
+
+    async def one(c: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> str:
+        stream = await c.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, stream=True)
+        return "".join([ch.choices[0].text async for ch in stream])
+
+    async def main() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0,
+                                      timeout=CLIENT_TIMEOUT) as c:
+            return await asyncio.wait_for(asyncio.gather(*(one(c, p, m) for p, m in jobs)), 120)
+
+    got = asyncio.run(main())
+    assert got == expected
+    metrics = httpx.get(server + "/metrics", timeout=10).text
+    # Under this load the dynamic policy used both modes.
+    assert _metric(metrics, 'medusa_steps_total{mode="medusa"}') > 0
+    assert _metric(metrics, 'medusa_steps_total{mode="plain"}') > 0
+    assert httpx.get(server + "/health", timeout=10).json()["running"] == 0
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_ends_and_is_trimmed(server, rt, tokenizer, stream):
+    prompt = "List some colours:"
+    full, _, _ = alone(rt, tokenizer(prompt)["input_ids"], 30)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), "the reference output is too short to cut"
+    want = full[: full.index(stop)]
+    c = client(server)
+    kw = dict(model="default", prompt=prompt, max_tokens=30, stop=[stop, "\x00never"])
+    if stream:
+        chunks = list(c.completions.create(stream=True, **kw))
+        got, reason = "".join(ch.choices[0].text for ch in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        r = c.completions.create(**kw)
+        got, reason = r.choices[0].text, r.choices[0].finish_reason
+    assert (got, reason) == (want, "stop")
+
+
+def test_seeded_sampling_is_reproducible(server):
+    c = client(server)
+    kw = dict(model="default", prompt="Roll the dice:", max_tokens=6, temperature=0.9, top_p=0.95)
+    a = c.completions.create(seed=7, **kw).choices[0].text
+    b = c.completions.create(seed=7, **kw).choices[0].text
+    assert a == b and a
+
+
+BAD = [
+    # (path, body (bytes are sent as-is), status, param, words in the message)
+    ("/v1/chat/completions", b"{not json", 400, None, "not valid JSON"),
+    ("/v1/chat/completions", b"[1, 2]", 400, None, "JSON object"),
+    ("/v1/chat/completions", {"model": "default"}, 400, "messages", "missing"),
+    ("/v1/chat/completions", {"model": "default", "messages": []}, 400, "messages", "messages"),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages.0.role", "role"),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}],
+                              "frobnicate": 1}, 400, "frobnicate", "unknown field"),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": -5}, 400, "max_tokens", "greater than or equal to 1"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "max_tokens": "12"}, 400, "max_tokens",
+     "integer"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "temperature": -1}, 400, "temperature", "greater than or equal to 0"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "top_p": 0}, 400, "top_p", "greater than 0"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "n": 2}, 400, "n", "less than or equal to 1"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop",
+     "at most 4"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
+    ("/v1/completions", {"model": "default", "prompt": ""}, 400, "prompt", "empty"),
+    ("/v1/completions", {"model": "default", "prompt": [1, 99999999]}, 400, "prompt", "token ids"),
+    ("/v1/completions", {"model": "default", "prompt": "word " * 600}, 400, "prompt", "context"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 600}, 400, "max_tokens", "context"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model", "does not exist"),
+    ("/v1/nowhere", {}, 404, None, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, words", BAD)
+def test_bad_input_gets_openai_error(server, path, body, status, param, words):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server + path, content=data, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert words.lower() in err["message"].lower(), err["message"]
+    assert err["param"] == param
+    assert httpx.get(server + "/health", timeout=10).json()["status"] == "ok"  # still serving
+
+
+def test_context_error_code(server):
+    r = httpx.post(server + "/v1/completions", json={"model": "default", "prompt": "word " * 600}, timeout=30)
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def _wait(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _running(url: str) -> int:
+    return httpx.get(url + "/health", timeout=10).json()["running"]
+
+
+def test_overload_gets_429_and_disconnect_frees_the_slot(rt):
+    with serve(rt, max_batch=1, max_queue=0, max_context=4096, policy={"mode": "plain"}) as url:
+        body = {"model": "default", "prompt": "Count forever:", "max_tokens": 4000, "stream": True}
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", url + "/v1/completions", json=body) as first:
+                lines = first.iter_lines()
+                assert next(line for line in lines if line.startswith("data:"))
+                assert _running(url) == 1
+                r = http.post(url + "/v1/completions", json={"model": "default", "prompt": "hi", "max_tokens": 2})
+                assert r.status_code == 429 and r.headers["Retry-After"]
+                assert r.json()["error"]["code"] == "queue_full"
+            # The stream is closed mid-generation: the row must be freed.
+            assert _wait(lambda: _running(url) == 0), "the disconnected request still holds its row"
+            r = http.post(url + "/v1/completions", json={"model": "default", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert _metric(metrics, 'medusa_requests_rejected_total{cause="queue_full"}') == 1
+        assert _metric(metrics, 'medusa_requests_total{reason="cancelled"}') == 1
+
+
+def test_queue_timeout_is_a_clear_503(rt):
+    with serve(rt, max_batch=1, max_queue=4, queue_timeout_s=0.3, max_context=4096,
+               policy={"mode": "plain"}) as url:
+        body = {"model": "default", "prompt": "Count forever:", "max_tokens": 4000, "stream": True}
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", url + "/v1/completions", json=body) as first:
+                lines = first.iter_lines()  # kept referenced: dropping the iterator closes the stream
+                assert next(line for line in lines if line.startswith("data:"))
+                r = http.post(url + "/v1/completions", json={"model": "default", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503 and "waited more than 0.3 s" in r.json()["error"]["message"]
+            assert _wait(lambda: _running(url) == 0)
+
+
+def test_non_streaming_disconnect_frees_the_slot(rt):
+    with serve(rt, max_batch=2, max_context=4096, policy={"mode": "plain"}) as url:
+        body = {"model": "default", "prompt": "Count forever:", "max_tokens": 4000}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=0.5)
+        assert _wait(lambda: _running(url) == 0)
+
+
+def test_cli_serves_a_model_directory(tmp_path, tokenizer):
+    """`medusa serve --model DIR` in its own process, answering the openai client."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    port = free_port()
+    cmd = [sys.executable, "-m", "medusa.cli", "serve", "--model", str(tmp_path), "--heads", "none",
+           "--dtype", "fp32", "--port", str(port), "--host", "127.0.0.1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return proc.poll() is not None
+        assert _wait(up, timeout=90) and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else ""
+        name = model_name(url)
+        r = client(url).chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=3)
+        assert r.usage.completion_tokens == 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_cli_bad_config_is_one_line_error(tmp_path, capsys):
+    from medusa.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("port: 8000\npolicy:\n  high_watermark: 2\n  low_watermark: 5\n  bogus: 1\n")
+    assert main(["serve", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "policy.bogus" in err and "Traceback" not in err
