@@ -1,0 +1,141 @@
+"""The speculation policy and the server config, without a model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from medusa.errors import MedusaError
+from serve.config import PolicyConfig, load_config
+from serve.policy import SpeculationPolicy
+
+
+def policy(has_medusa: bool = True, has_draft: bool = False, **kw) -> SpeculationPolicy:
+    return SpeculationPolicy(PolicyConfig(**kw), has_medusa, has_draft)
+
+
+def modes(p: SpeculationPolicy, loads: list[int]) -> list[str]:
+    return [p.decide(n, 0).mode for n in loads]
+
+
+def test_hysteresis_between_watermarks():
+    p = policy(high_watermark=8, low_watermark=4)
+    # Rising load: on until 8; falling: stays off until 4; in the band the current state holds.
+    assert modes(p, [1, 5, 7, 8, 7, 5, 4, 6, 7, 9]) == \
+        ["medusa"] * 3 + ["plain"] * 3 + ["medusa"] * 3 + ["plain"]
+
+
+def test_queued_requests_count_as_load():
+    p = policy(high_watermark=8, low_watermark=4)
+    assert p.decide(2, 10).mode == "plain"
+    assert p.decide(2, 3).mode == "plain"  # load 5 is inside the band: still off
+    assert p.decide(2, 0).mode == "medusa"
+
+
+def test_tree_follows_batch_size():
+    p = policy(high_watermark=100, low_watermark=50, trees={1: "tree-64", 4: "tree-16", 16: "tree-8"})
+    assert [p.decide(n, 0).tree for n in (1, 3, 4, 15, 16, 40)] == \
+        ["tree-64", "tree-64", "tree-16", "tree-16", "tree-8", "tree-8"]
+
+
+def test_acceptance_gate_pauses_and_retries():
+    p = policy(window=4, min_tau=1.5, retry_after_steps=10)
+    for _ in range(4):
+        d = p.decide(1, 0)
+        assert d.mode == "medusa"
+        p.observe(d, 1.1)  # poor acceptance
+    paused = modes(p, [1] * 9)
+    assert paused == ["plain"] * 9
+    assert p.decide(1, 0).mode == "medusa"  # retried after the pause
+    for _ in range(8):
+        d = p.decide(1, 0)
+        p.observe(d, 2.5)  # good acceptance keeps it on
+    assert p.decide(1, 0).mode == "medusa"
+
+
+def test_fixed_modes_ignore_load_and_acceptance():
+    on = policy(mode="medusa", window=1, min_tau=3.0)
+    d = on.decide(64, 100)
+    on.observe(d, 1.0)
+    assert d.mode == "medusa" and on.decide(64, 100).mode == "medusa"
+    assert policy(mode="plain").decide(1, 0).mode == "plain"
+
+
+def test_without_any_proposer_dynamic_is_plain_and_fixed_is_an_error():
+    assert policy(has_medusa=False).decide(1, 0).mode == "plain"
+    with pytest.raises(MedusaError, match="policy.mode 'medusa' needs heads"):
+        policy(has_medusa=False, mode="medusa")
+    assert policy(has_medusa=False, has_draft=True).decide(1, 0).mode == "draft"
+
+
+def test_cost_model_sets_watermarks_kinds_and_trees(tmp_path):
+    f = tmp_path / "cost.json"
+    f.write_text(json.dumps({"recommendation": {"1": "medusa", "2": "medusa", "4": "draft", "8": "plain",
+                                                "16": "plain"},
+                             "best_tree": {"1": 64, "2": "tree-32"}, "other": {"ignored": True}}))
+    p = policy(has_draft=True, cost_model=str(f))
+    assert (p.high, p.low) == (8, 4)
+    got = [(d.mode, d.tree) for d in (p.decide(n, 0) for n in (1, 2, 4, 8, 6, 4))]
+    assert got == [("medusa", "tree-64"), ("medusa", "tree-32"), ("draft", None), ("plain", None),
+                   ("plain", None), ("draft", None)]
+    # Without a draft model the speculative kind falls back to Medusa.
+    assert policy(cost_model=str(f)).decide(4, 0).mode == "medusa"
+
+
+def test_cost_model_that_never_speculates(tmp_path):
+    f = tmp_path / "cost.json"
+    f.write_text(json.dumps({"recommendation": {"1": "plain", "8": "plain"}}))
+    p = policy(cost_model=str(f))
+    assert modes(p, [1, 1, 1]) == ["plain"] * 3
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{", "not valid JSON"),
+    ('{"best_tree": {}}', "no 'recommendation'"),
+    ('{"recommendation": {"one": "medusa"}}', "not a batch size"),
+    ('{"recommendation": {"1": "turbo"}}', "expected medusa|draft|plain"),
+])
+def test_bad_cost_model_names_the_problem(tmp_path, content, words):
+    f = tmp_path / "cost.json"
+    f.write_text(content)
+    with pytest.raises(MedusaError, match="policy.cost_model") as exc:
+        policy(cost_model=str(f))
+    assert words in str(exc.value)
+
+
+def test_missing_cost_model_file():
+    with pytest.raises(MedusaError, match="does not exist"):
+        policy(cost_model="/no/such/cost.json")
+
+
+@pytest.mark.parametrize("yaml_text, key", [
+    ("max_batch: 0\n", "max_batch"),
+    ("prot: 80\n", "prot"),
+    ("policy:\n  mode: sometimes\n", "policy.mode"),
+    ("policy:\n  low_watermark: 9\n  high_watermark: 3\n", "low_watermark"),
+    ("queue_timeout_s: -1\n", "queue_timeout_s"),
+    ("- just\n- a list\n", "mapping"),
+])
+def test_bad_config_names_the_key(tmp_path, yaml_text, key):
+    f = tmp_path / "serve.yaml"
+    f.write_text(yaml_text)
+    with pytest.raises(MedusaError) as exc:
+        load_config(str(f))
+    assert key in str(exc.value)
+
+
+def test_flags_override_the_file(tmp_path):
+    f = tmp_path / "serve.yaml"
+    f.write_text("port: 9000\nmax_batch: 4\n")
+    cfg = load_config(str(f), {"port": 9100, "model": None})
+    assert (cfg.port, cfg.max_batch, cfg.model) == (9100, 4, "default")
+
+
+def test_shipped_configs_are_valid():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parent.parent / "configs" / "serve").glob("*.yaml"))
+    assert files
+    for f in files:
+        load_config(str(f))
