@@ -1,0 +1,571 @@
+"""`medusa eval`, `medusa crossover` and `medusa train-draft`.
+
+The evaluator runs every configured method on the same prompts, with the same max tokens and dtype, in one
+process: a warm-up first, then `repeats` rounds in which every (batch size, method) pair runs once, so
+that slow drifts of the machine hit all methods alike. Medians over the rounds are reported with their
+spread. Each of our own methods' outputs is checked token for token against plain decoding at the same
+batch size (greedy speculation is lossless, so the count of mismatching outputs must be 0); the HF anchors
+are checked against HF's plain `generate()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import MedusaError
+
+OURS = ("plain", "medusa", "draft", "lookup")
+HF = ("hf", "hf_assisted", "hf_lookup")
+BATCH_ONE_ONLY = ("hf_assisted", "hf_lookup")  # HF runs these for batch size 1 only
+
+
+# ---- configuration ----------------------------------------------------------------------------------
+
+
+class MethodSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["plain", "medusa", "draft", "lookup", "hf", "hf_assisted", "hf_lookup"]
+    label: str | None = None
+    tree: str | None = None           # medusa: tree file or shipped name
+    draft: str | None = None          # draft / hf_assisted: see medusa.draft.load_draft
+    k: int | None = Field(default=None, ge=1, le=64)  # draft chain length / lookup tokens
+    max_ngram: int = Field(default=3, ge=1)
+
+    @property
+    def name(self) -> str:
+        if self.label:
+            return self.label
+        if self.method == "medusa":
+            return f"medusa:{Path(self.tree or 'tree-16').stem}"
+        return self.method
+
+
+class CostModelSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    tokens: list[int] = [1, 2, 4, 8, 16, 32, 64]
+    prefix: int = Field(default=256, ge=1)
+    repeats: int = Field(default=5, ge=1)
+
+
+class EvalConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = "default"
+    heads: str = "default"
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    device: str | None = None
+    prompts: str = "mtbench"          # mtbench, sharegpt or a local .txt/.json/.jsonl file
+    raw_prompts: bool = False         # tokenise prompts as raw text (no chat template)
+    max_prompts: int = Field(default=16, ge=1)
+    max_new_tokens: int = Field(default=128, ge=1)
+    batch_sizes: list[int] = [1, 2, 4, 8, 16, 32, 64]
+    repeats: int = Field(default=3, ge=1)
+    warmup: bool = True
+    threads: int | None = Field(default=None, ge=1)
+    methods: list[MethodSpec] = [MethodSpec(method="plain"), MethodSpec(method="medusa", tree="tree-16"),
+                                 MethodSpec(method="draft", draft="default", k=4),
+                                 MethodSpec(method="lookup", k=8),
+                                 MethodSpec(method="hf"), MethodSpec(method="hf_assisted", draft="default", k=4),
+                                 MethodSpec(method="hf_lookup", k=10)]
+    hf_batch_sizes: list[int] = [1]   # HF plain generate() is slow on CPU: only these batch sizes
+    cost_model: CostModelSpec = CostModelSpec()
+
+    @field_validator("batch_sizes", "hf_batch_sizes")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or any(b < 1 for b in v):
+            raise ValueError("must be a non-empty list of positive integers")
+        return sorted(set(v))
+
+
+def load_config(path: str | None, overrides: dict | None = None) -> EvalConfig:
+    data: dict = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise MedusaError(f"--config: {path} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise MedusaError(f"--config: {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise MedusaError(f"--config: {path} must hold a mapping of settings")
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        cfg = EvalConfig(**data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(x) for x in err["loc"])
+        raise MedusaError(f"eval config key {key!r}: {err['msg']}") from None
+    names = [m.name for m in cfg.methods]
+    if len(set(names)) != len(names):
+        raise MedusaError(f"eval config key 'methods': duplicate method names {names}; set 'label'")
+    if "plain" not in [m.method for m in cfg.methods]:
+        cfg.methods.insert(0, MethodSpec(method="plain"))  # the reference every speedup is relative to
+    return cfg
+
+
+# ---- running ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    outputs: list[list[int]]
+    seconds: float
+    request_seconds: list[float]     # time until each request finished
+    new_tokens: int
+    accept_hist: list[int] = field(default_factory=list)
+    row_steps: int = 0
+
+
+def prompts_for_batch(prompts: list[list[int]], batch: int) -> list[list[int]]:
+    """The prompt list cycled up to a whole number of batches, so every batch runs full."""
+    count = -(-len(prompts) // batch) * batch
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
+def run_engine(engine, prompts: list[list[int]], batch: int, max_new: int, proposer) -> RunResult:
+    """Decode `prompts` in consecutive batches of `batch` rows with the step API, timing each request."""
+    outputs: dict[int, list[int]] = {}
+    finish: dict[int, float] = {}
+    hist: list[int] = []
+    row_steps = 0
+    total = 0.0
+    extra = proposer.tree.size if proposer is not None else 1
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start: start + batch]
+        capacity = max(len(p) for p in chunk) + max_new + extra + 1
+        b = engine.new_batch(len(chunk), capacity, max_new)
+        t0 = time.perf_counter()
+        done = list(engine.add(b, list(range(start, start + len(chunk))), chunk, max_new).finished)
+        for f in done:
+            finish[f.id] = time.perf_counter() - t0
+        while b.n:
+            for f in engine.step(b, proposer).finished:
+                done.append(f)
+                finish[f.id] = time.perf_counter() - t0  # since its own batch started
+        _sync(engine.model.device)
+        elapsed = time.perf_counter() - t0
+        for f in done:
+            outputs[f.id] = f.tokens
+        total += elapsed
+        for a, c in enumerate(b.stats.accept_hist):
+            hist += [0] * (a + 1 - len(hist))
+            hist[a] += c
+        row_steps += b.stats.row_steps
+    order = range(len(prompts))
+    return RunResult([outputs[i] for i in order], total, [finish[i] for i in order],
+                     sum(len(outputs[i]) for i in order), hist, row_steps)
+
+
+def run_hf(rt, prompts: list[list[int]], batch: int, max_new: int, spec: MethodSpec, draft_hf=None) -> RunResult:
+    """HF `generate()` (plain, assisted or prompt lookup), greedy; batches are left-padded."""
+    eos = rt.engine.eos.tolist()
+    pad = rt.tokenizer.pad_token_id if rt.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    kwargs: dict = {"do_sample": False, "max_new_tokens": max_new, "min_new_tokens": 0,
+                    "eos_token_id": eos or None, "pad_token_id": pad}
+    if spec.method == "hf_assisted":
+        draft_hf.generation_config.num_assistant_tokens = spec.k or 4
+        draft_hf.generation_config.num_assistant_tokens_schedule = "constant"
+        draft_hf.generation_config.assistant_confidence_threshold = 0.0
+        kwargs["assistant_model"] = draft_hf
+    elif spec.method == "hf_lookup":
+        kwargs["prompt_lookup_num_tokens"] = spec.k or 10
+    dev = rt.hf_model.device
+    outputs, finish, total = [], [], 0.0
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start: start + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(chunk):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = rt.hf_model.generate(ids.to(dev), attention_mask=mask.to(dev), **kwargs)
+        _sync(dev)
+        elapsed = time.perf_counter() - t0
+        total += elapsed
+        for row in out[:, width:].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+            outputs.append(row[:cut])
+            finish.append(elapsed)
+    return RunResult(outputs, total, finish, sum(len(o) for o in outputs))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Methods:
+    """Builds each configured method's proposer (or HF settings) once, lazily."""
+
+    def __init__(self, rt, cfg: EvalConfig):
+        self.rt, self.cfg = rt, cfg
+        self._drafts: dict[str, object] = {}
+        self._proposers: dict[str, object] = {}
+
+    def draft_hf(self, spec: str):
+        from .draft import load_draft_hf
+
+        if spec not in self._drafts:
+            self._drafts[spec] = load_draft_hf(spec, self.rt.hf_model)
+        return self._drafts[spec]
+
+    def proposer(self, m: MethodSpec):
+        if m.name in self._proposers:
+            return self._proposers[m.name]
+        if m.method == "plain":
+            p = None
+        elif m.method == "medusa":
+            p = self.rt.proposer("medusa", m.tree)
+        elif m.method == "draft":
+            from .draft import DraftProposer
+            from .transformer import Transformer
+
+            p = DraftProposer(Transformer(self.draft_hf(m.draft or "default")), m.k or 4)
+        elif m.method == "lookup":
+            from .lookup import LookupProposer
+
+            p = LookupProposer(k=m.k or 8, max_ngram=m.max_ngram)
+        else:
+            raise AssertionError(m.method)
+        self._proposers[m.name] = p
+        return p
+
+    def run(self, m: MethodSpec, prompts: list[list[int]], batch: int, max_new: int) -> RunResult:
+        if m.method in HF:
+            draft = self.draft_hf(m.draft or "default") if m.method == "hf_assisted" else None
+            return run_hf(self.rt, prompts, batch, max_new, m, draft)
+        return run_engine(self.rt.engine, prompts, batch, max_new, self.proposer(m))
+
+
+def planned_runs(cfg: EvalConfig) -> list[tuple[int, MethodSpec]]:
+    runs = []
+    for b in cfg.batch_sizes:
+        for m in cfg.methods:
+            if m.method in BATCH_ONE_ONLY and b != 1:
+                continue
+            if m.method == "hf" and b not in cfg.hf_batch_sizes:
+                continue
+            runs.append((b, m))
+    return runs
+
+
+def summarize(m: MethodSpec, batch: int, results: list[RunResult], reference: list[list[int]] | None) -> dict:
+    """Medians over repeats (with min/max), acceptance and the equality check of one (method, batch)."""
+    total = [r.new_tokens / r.seconds for r in results]
+    per_user = [statistics.mean(len(o) / max(s, 1e-9) for o, s in zip(r.outputs, r.request_seconds))
+                for r in results]
+    tpot = [1000 * statistics.median(s / max(len(o), 1) for o, s in zip(r.outputs, r.request_seconds))
+            for r in results]
+    first = results[0]
+    row: dict = {"method": m.name, "kind": m.method, "batch_size": batch,
+                 "tokens_per_s_per_user": statistics.median(per_user),
+                 "tokens_per_s_total": statistics.median(total),
+                 "tokens_per_s_total_min": min(total), "tokens_per_s_total_max": max(total),
+                 "time_per_output_token_ms": statistics.median(tpot),
+                 "seconds": statistics.median(r.seconds for r in results),
+                 "new_tokens": first.new_tokens, "repeats": len(results),
+                 "mean_accepted": None, "acceptance_by_head": None}
+    if m.method in OURS:
+        from .engine import Stats
+
+        stats = Stats(row_steps=first.row_steps, accept_hist=list(first.accept_hist))
+        row["mean_accepted"] = stats.mean_accepted
+        row["acceptance_by_head"] = stats.acceptance_by_head()
+        if m.method == "draft":
+            row["k"] = m.k or 4
+        if m.method == "lookup":
+            row["k"] = m.k or 8
+        if m.method == "medusa":
+            row["tree"] = m.tree or "tree-16"
+    mismatches = [sum(a != b for a, b in zip(r.outputs, reference)) for r in results] if reference else [0]
+    row["greedy_mismatches"] = max(mismatches) if reference is not None else None
+    return row
+
+
+def evaluate(cfg: EvalConfig, out_dir: Path, progress: bool = True) -> dict:
+    """Run the whole evaluation and write report.json, report.md and the plots into `out_dir`."""
+    from tqdm import tqdm
+
+    from .prompts import load_prompts
+    from .report import write_report
+    from .runtime import Runtime
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    needs_heads = any(m.method == "medusa" for m in cfg.methods)
+    rt = Runtime.load(cfg.model, cfg.heads if needs_heads else "none", cfg.dtype, cfg.device)
+    texts = load_prompts(cfg.prompts, cfg.max_prompts)
+    if not texts:
+        raise MedusaError(f"eval config key 'prompts': {cfg.prompts} gave no prompts")
+    prompts = rt.encode(texts, raw=cfg.raw_prompts)
+    methods = Methods(rt, cfg)
+    runs = planned_runs(cfg)
+    for m in cfg.methods:  # build everything up front: configuration errors surface before any timing
+        if m.method in OURS:
+            methods.proposer(m)
+        elif m.method == "hf_assisted":
+            methods.draft_hf(m.draft or "default")
+    if cfg.warmup:
+        for m in cfg.methods:
+            methods.run(m, prompts[:1], 1, min(16, cfg.max_new_tokens))
+    raw: dict[tuple[int, str], list[RunResult]] = {}
+    bar = tqdm(total=len(runs) * cfg.repeats, desc="eval", unit="run", disable=not progress)
+    for _ in range(cfg.repeats):
+        for b, m in runs:
+            bar.set_postfix_str(f"{m.name} bs={b}")
+            raw.setdefault((b, m.name), []).append(methods.run(m, prompts_for_batch(prompts, b), b,
+                                                               cfg.max_new_tokens))
+            bar.update(1)
+    bar.close()
+    results = []
+    for b, m in runs:
+        ref_name = "hf" if m.method in BATCH_ONE_ONLY else "plain"
+        ref_key = (b, ref_name)
+        if m.method in HF and ref_key not in raw:
+            ref_key = (b, "plain")  # no HF plain run at this size: compare with ours
+        reference = raw[ref_key][0].outputs if m.name != ref_name and ref_key in raw else None
+        results.append(summarize(m, b, raw[(b, m.name)], reference if m.name != "plain" else None))
+    plain = {r["batch_size"]: r["tokens_per_s_total"] for r in results if r["method"] == "plain"}
+    for r in results:
+        r["speedup_vs_plain"] = r["tokens_per_s_total"] / plain[r["batch_size"]]
+        if r["method"] == "plain":
+            r["greedy_mismatches"] = 0
+    cost = build_cost_model(rt, cfg, methods, results, progress) if cfg.cost_model.enabled else {}
+    report = {"model": getattr(rt.hf_model, "name_or_path", cfg.model), "device": str(rt.model.device),
+              "dtype": cfg.dtype, "threads": torch.get_num_threads(), "prompts": cfg.prompts,
+              "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
+              "batch_sizes": cfg.batch_sizes, "repeats": cfg.repeats,
+              "config": cfg.model_dump(), "results": results, "cost_model": cost,
+              "crossover": cost.get("crossover", {"medusa": None, "draft": None}),
+              "measured_crossover": measured_crossover(results)}
+    write_report(report, out_dir)
+    return report
+
+
+def measured_crossover(results: list[dict]) -> dict:
+    """Per speculative method: the smallest batch size whose measured speedup is no longer above 1."""
+    from .costmodel import crossover
+
+    out: dict = {}
+    for kind in ("medusa", "draft", "lookup"):
+        names = {r["method"] for r in results if r["kind"] == kind}
+        if not names:
+            continue
+        best = {}
+        for r in results:
+            if r["kind"] == kind:
+                best[r["batch_size"]] = max(best.get(r["batch_size"], 0.0), r["speedup_vs_plain"])
+        out[kind] = crossover(best)
+    return out
+
+
+def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict], progress: bool) -> dict:
+    """Latency grids for target, draft and heads, fitted; acceptance from the runs; predictions."""
+    from tqdm import tqdm
+
+    from .costmodel import Latency, alpha_from_acceptance, measure_forward, measure_heads, predict
+    from .tree import load_tree
+
+    cm = cfg.cost_model
+    bs1 = min(cfg.batch_sizes)
+    acc: dict = {"medusa": {}, "draft": None}
+    for r in results:
+        if r["batch_size"] != bs1 or r["mean_accepted"] is None:
+            continue
+        if r["kind"] == "medusa":
+            tree = load_tree(r["tree"])
+            acc["medusa"][tree.name] = {"tau": r["mean_accepted"], "tree_size": tree.size, "method": r["method"],
+                                        "spec": r["tree"]}
+        elif r["kind"] == "draft" and acc["draft"] is None:
+            acc["draft"] = {"k": r["k"], "tau": r["mean_accepted"], "method": r["method"],
+                            "alpha": alpha_from_acceptance(r["acceptance_by_head"])}
+    tokens = sorted(set(cm.tokens) | {s["tree_size"] for s in acc["medusa"].values()}
+                    | ({acc["draft"]["k"] + 1} if acc["draft"] else set()))
+    draft_spec = next((m for m in cfg.methods if m.method == "draft"), None)
+    n_grid = len(cfg.batch_sizes) * (len(tokens) + (2 if draft_spec else 0))
+    bar = tqdm(total=n_grid, desc="cost model", unit="pass", disable=not progress)
+    lat: dict = {"target": Latency(measure_forward(rt.model, cfg.batch_sizes, tokens, cm.prefix, cm.repeats,
+                                                    bar)).to_dict()}
+    if draft_spec is not None:
+        draft = methods.proposer(draft_spec).draft
+        lat["draft"] = Latency(measure_forward(draft, cfg.batch_sizes, [1, 2, 4], cm.prefix, cm.repeats,
+                                               bar)).to_dict()
+    if rt.heads is not None and acc["medusa"]:
+        topk = max(load_tree(s["spec"]).topk for s in acc["medusa"].values())
+        lat["heads"] = {str(b): ms for b, ms in measure_heads(rt.heads, rt.model.config.hidden_size,
+                                                               cfg.batch_sizes, topk, rt.model.dtype,
+                                                               rt.model.device, cm.repeats).items()}
+    bar.close()
+    model = {"model": getattr(rt.hf_model, "name_or_path", cfg.model), "device": str(rt.model.device),
+             "dtype": cfg.dtype, "prefix_tokens": cm.prefix, "latency_ms": lat,
+             "acceptance": {k: v for k, v in acc.items() if v}}
+    return predict(model, cfg.batch_sizes)
+
+
+# ---- command line -----------------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def add_parser(subparsers) -> None:
+    e = subparsers.add_parser("eval", help="compare plain, Medusa, draft-model, lookup and HF decoding")
+    e.add_argument("--config", default=None, help="evaluation YAML, e.g. configs/eval/mtbench.yaml")
+    e.add_argument("--out", required=True, help="output directory (report.json, report.md, plots)")
+    e.add_argument("--max-prompts", type=int, default=None)
+    e.add_argument("--batch-sizes", type=_int_list, default=None, help="e.g. 1,4,16")
+    e.add_argument("--max-new-tokens", type=int, default=None)
+    e.add_argument("--repeats", type=int, default=None)
+    e.add_argument("--model", default=None)
+    e.add_argument("--heads", default=None)
+    e.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"])
+    e.add_argument("--device", default=None)
+    e.add_argument("--no-progress", action="store_true")
+    e.set_defaults(func=cmd_eval)
+
+    c = subparsers.add_parser("crossover", help="recommended decoding regime per batch size")
+    c.add_argument("--cost-model", default=None, help="cost-model JSON written by `medusa eval`")
+    c.add_argument("--target-ms", type=_float_list, default=None,
+                   help="target decode-step latency (ms), one value or one per --batch-sizes entry")
+    c.add_argument("--draft-ms", type=_float_list, default=None, help="draft decode-step latency (ms), same")
+    c.add_argument("--verify-ms", type=_float_list, default=None,
+                   help="target latency of a K+1-token pass (default: --target-ms, the textbook assumption)")
+    c.add_argument("--alpha", type=float, default=None, help="per-token acceptance rate of the draft")
+    c.add_argument("--k", type=_int_list, default=None, help="draft length(s); several: pick the best")
+    c.add_argument("--batch-sizes", type=_int_list, default=None)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_crossover)
+
+    t = subparsers.add_parser("train-draft", help="build a small draft model from the target's first layers")
+    t.add_argument("--model", default="default")
+    t.add_argument("--layers", type=int, default=4, help="how many of the target's first layers to keep")
+    t.add_argument("--data", default=None, help="distilled dataset directory (`medusa distill`); default: "
+                   "the training config's, else distil --distill-prompts prompts here")
+    t.add_argument("--distill-prompts", type=int, default=128)
+    t.add_argument("--steps", type=int, default=300)
+    t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--seq-len", type=int, default=256)
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--out", default=None, help="output directory (default: medusa/assets/draft)")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=cmd_train_draft)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    overrides = {"max_prompts": args.max_prompts, "batch_sizes": args.batch_sizes,
+                 "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "model": args.model,
+                 "heads": args.heads, "dtype": args.dtype, "device": args.device}
+    cfg = load_config(args.config, overrides)
+    report = evaluate(cfg, Path(args.out), progress=not args.no_progress)
+    print(f"wrote {Path(args.out) / 'report.json'} and report.md ({len(report['results'])} runs)")
+    bad = [r for r in report["results"] if r["greedy_mismatches"]]
+    for r in bad:
+        print(f"warning: {r['method']} bs={r['batch_size']}: {r['greedy_mismatches']} outputs differ from plain")
+    return 0
+
+
+def cmd_crossover(args: argparse.Namespace) -> int:
+    from .costmodel import analytic_speedup, expected_accepted, pays
+
+    if args.cost_model:
+        from .costmodel import predict
+
+        path = Path(args.cost_model)
+        if not path.is_file():
+            raise MedusaError(f"--cost-model: {path} does not exist")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise MedusaError(f"--cost-model: {path} is not valid JSON: {exc}") from None
+        data = data.get("cost_model", data)  # a whole report.json works too
+        if "latency_ms" not in data:
+            raise MedusaError(f"--cost-model: {path} has no 'latency_ms' (write it with `medusa eval`)")
+        sizes = args.batch_sizes or sorted(int(b) for b in data.get("predicted", {})) or [1, 2, 4, 8, 16, 32, 64]
+        model = predict(data, sizes)
+        rows = [{"batch_size": b, "medusa": model["predicted"][str(b)].get("medusa"),
+                 "draft": model["predicted"][str(b)].get("draft"),
+                 "best_tree": model["best_tree"].get(str(b)), "best_k": model["best_k"].get(str(b)),
+                 "regime": model["recommendation"][str(b)]} for b in sizes]
+        return _print_crossover(rows, model["crossover"], args.json)
+    missing = [f for f, v in (("--target-ms", args.target_ms), ("--draft-ms", args.draft_ms),
+                              ("--alpha", args.alpha), ("--k", args.k)) if v is None]
+    if missing:
+        raise MedusaError(f"give --cost-model FILE, or all of --target-ms, --draft-ms, --alpha, --k "
+                          f"(missing {', '.join(missing)})")
+    sizes = args.batch_sizes or ([1] if len(args.target_ms) == 1 else list(range(1, len(args.target_ms) + 1)))
+    target = _per_batch(args.target_ms, sizes, "--target-ms")
+    draft = _per_batch(args.draft_ms, sizes, "--draft-ms")
+    verify = _per_batch(args.verify_ms, sizes, "--verify-ms") if args.verify_ms else target
+    if any(v <= 0 for v in target + verify) or any(v < 0 for v in draft):
+        raise MedusaError("--target-ms / --verify-ms must be positive and --draft-ms non-negative")
+    rows = []
+    for b, t, d, v in zip(sizes, target, draft, verify):
+        # Generalised: S = E * t / (v + K d); with v = t it is exactly E / (1 + K c).
+        by_k = {k: (analytic_speedup(args.alpha, k, d / t) if v == t
+                    else expected_accepted(args.alpha, k) * t / (v + k * d)) for k in args.k}
+        k = max(by_k, key=lambda kk: (by_k[kk], -kk))
+        rows.append({"batch_size": b, "draft": by_k[k], "best_k": k, "c": d / t,
+                     "regime": "draft" if pays(by_k[k]) else "plain"})
+    cross = next((r["batch_size"] for r in rows if r["regime"] == "plain"), None)
+    return _print_crossover(rows, {"draft": cross}, args.json)
+
+
+def _per_batch(values: list[float], sizes: list[int], flag: str) -> list[float]:
+    if len(values) == 1:
+        return values * len(sizes)
+    if len(values) != len(sizes):
+        raise MedusaError(f"{flag}: {len(values)} values for {len(sizes)} batch sizes")
+    return values
+
+
+def _print_crossover(rows: list[dict], cross: dict, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"rows": rows, "crossover": cross}))
+        return 0
+    print(f"{'batch':>6} {'medusa S':>9} {'draft S':>8} {'best K':>6} {'best tree':>10}  regime")
+    for r in rows:
+        fmt = lambda x: f"{x:.3f}" if isinstance(x, float) else "-"  # noqa: E731
+        print(f"{r['batch_size']:>6} {fmt(r.get('medusa')):>9} {fmt(r.get('draft')):>8} "
+              f"{str(r.get('best_k') or '-'):>6} {str(r.get('best_tree') or '-'):>10}  {r['regime']}")
+    for name, b in cross.items():
+        print(f"{name} stops paying at batch size {b}" if b else f"{name} pays at every batch size listed")
+    return 0
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from .draft_train import train_draft
+
+    out = train_draft(model=args.model, layers=args.layers, data=args.data, distill_prompts=args.distill_prompts,
+                      steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                      out=args.out, progress=not args.no_progress)
+    print(f"draft model: {out}")
+    return 0

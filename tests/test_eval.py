@@ -1,0 +1,102 @@
+"""The evaluator end to end on a tiny random model: every method runs, the report has its schema."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from conftest import tiny_model
+from medusa.cli import main
+from medusa.evaluate import load_config, prompts_for_batch
+from medusa.errors import MedusaError
+from medusa.heads import HeadsConfig, MedusaHeads
+from medusa.report import validate
+
+
+def tiny_checkpoint(root):
+    """A tiny Llama with a word-level tokenizer and random heads, saved as a user would pass them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = tiny_model("llama", seed=4)
+    model_dir, heads_dir = root / "model", root / "heads"
+    model.save_pretrained(model_dir)
+    vocab = {f"w{i}": i for i in range(97)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(model_dir)
+    torch.manual_seed(0)
+    heads = MedusaHeads(HeadsConfig(64, 97, num_heads=4))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    heads.save(heads_dir)
+    g = torch.Generator().manual_seed(1)
+    prompts = [" ".join(f"w{int(t)}" for t in torch.randint(0, 97, (n,), generator=g)) for n in (3, 9, 5, 12)]
+    (root / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    return model_dir, heads_dir, root / "prompts.txt"
+
+
+def test_eval_end_to_end_schema(tmp_path, capsys):
+    model_dir, heads_dir, prompts = tiny_checkpoint(tmp_path)
+    cfg = {"model": str(model_dir), "heads": str(heads_dir), "dtype": "fp32", "device": "cpu",
+           "prompts": str(prompts), "raw_prompts": True, "max_new_tokens": 12, "repeats": 2,
+           "batch_sizes": [1, 4, 8], "hf_batch_sizes": [1, 4],
+           "methods": [{"method": "plain"}, {"method": "medusa", "tree": "tree-8"},
+                       {"method": "draft", "draft": "layers:1", "k": 3}, {"method": "lookup", "k": 4},
+                       {"method": "hf"}, {"method": "hf_assisted", "draft": "layers:1", "k": 3},
+                       {"method": "hf_lookup", "k": 4}],
+           "cost_model": {"tokens": [1, 2, 4], "prefix": 16, "repeats": 1}}
+    (tmp_path / "eval.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    rc = main(["eval", "--config", str(tmp_path / "eval.yaml"), "--out", str(out), "--batch-sizes", "1,4",
+               "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    validate(report)
+    got = {(r["method"], r["batch_size"]) for r in report["results"]}
+    ours = {"plain", "medusa:tree-8", "draft", "lookup"}
+    assert got == {(m, b) for m in ours for b in (1, 4)} | {("hf", 1), ("hf", 4), ("hf_assisted", 1),
+                                                           ("hf_lookup", 1)}
+    for r in report["results"]:
+        assert r["greedy_mismatches"] == 0, r  # lossless: every output equals its plain reference
+        assert r["tokens_per_s_total"] > 0 and r["tokens_per_s_per_user"] > 0
+        if r["method"] == "plain":
+            assert r["speedup_vs_plain"] == 1.0 and r["mean_accepted"] == 1.0
+        elif r["kind"] in ("medusa", "draft", "lookup"):
+            assert r["mean_accepted"] >= 1.0 and len(r["acceptance_by_head"]) >= 1
+            assert all(0 <= a <= 1 for a in r["acceptance_by_head"])
+    assert report["max_new_tokens"] == 12 and report["dtype"] == "fp32" and report["num_prompts"] == 4
+    cm = report["cost_model"]
+    assert set(cm["recommendation"]) == {"1", "4"} and set(cm["recommendation"].values()) <= {"medusa", "draft", "plain"}
+    assert cm["best_tree"]["1"] == "tree-8"
+    assert {"target", "draft", "heads"} <= set(cm["latency_ms"])
+    assert set(report["crossover"]) >= {"medusa", "draft"}
+    for name in ("report.md", "speedup.png", "throughput.png", "acceptance.png", "predicted_vs_measured.png"):
+        assert (out / name).stat().st_size > 0
+    assert "| draft | 4 |" in (out / "report.md").read_text()
+
+
+def test_prompts_fill_whole_batches():
+    assert prompts_for_batch([[1], [2], [3]], 2) == [[1], [2], [3], [1]]
+    assert prompts_for_batch([[1], [2]], 4) == [[1], [2], [1], [2]]
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"batch_sizes": [0, 2]}, "batch_sizes"),
+    ({"methods": [{"method": "beam"}]}, "methods.0.method"),
+    ({"methods": [{"method": "draft", "k": 0}]}, "methods.0.k"),
+    ({"colour": "red"}, "colour"),
+    ({"methods": [{"method": "medusa"}, {"method": "medusa"}]}, "duplicate"),
+])
+def test_bad_config_is_a_clear_error(tmp_path, cfg, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(MedusaError, match=message):
+        load_config(str(path))
+
+
+def test_cli_bad_config_path(capsys):
+    rc = main(["eval", "--config", "/no/such.yaml", "--out", "/tmp/x"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--config" in err and "Traceback" not in err
