@@ -1,0 +1,139 @@
+"""Cost model: the analytic formula, the latency fit, predictions and the crossover command."""
+
+import json
+
+import pytest
+
+from medusa.cli import main
+from medusa.costmodel import (Latency, LatencyFit, alpha_from_acceptance, analytic_speedup, best_k, crossover,
+                              expected_accepted, pays, predict)
+from medusa.errors import MedusaError
+
+
+def test_expected_accepted_matches_the_series():
+    for alpha in (0.0, 0.3, 0.8, 0.999):
+        for k in (0, 1, 4, 7):
+            assert expected_accepted(alpha, k) == pytest.approx(sum(alpha ** i for i in range(k + 1)))
+    assert expected_accepted(1.0, 5) == 6.0
+
+
+@pytest.mark.parametrize("alpha, k", [(0.6, 4), (0.8, 2), (0.3, 1), (0.95, 7)])
+def test_speculation_pays_exactly_when_the_formula_says(alpha, k):
+    e = expected_accepted(alpha, k)
+    c_star = (e - 1) / k  # S = E / (1 + K c) = 1 here
+    assert analytic_speedup(alpha, k, c_star) == pytest.approx(1.0)
+    assert pays(analytic_speedup(alpha, k, c_star * 0.99))
+    assert not pays(analytic_speedup(alpha, k, c_star * 1.01))
+    assert analytic_speedup(alpha, k, 0.0) == pytest.approx(e)
+
+
+def test_never_pays_with_zero_acceptance():
+    assert not pays(analytic_speedup(0.0, 4, 0.0))  # E = 1, no cost: exactly break-even, not a win
+    assert best_k(0.0, 0.1)[1] < 1
+
+
+def test_best_k_grows_with_acceptance_and_cheaper_drafts():
+    assert best_k(0.9, 0.02)[0] > best_k(0.5, 0.02)[0]
+    assert best_k(0.8, 0.01)[0] >= best_k(0.8, 0.2)[0]
+
+
+def test_alpha_reproduces_the_measured_expectation():
+    acc = [0.8, 0.6, 0.5, 0.4]
+    measured = 1 + 0.8 + 0.8 * 0.6 + 0.8 * 0.6 * 0.5 + 0.8 * 0.6 * 0.5 * 0.4
+    assert expected_accepted(alpha_from_acceptance(acc), 4) == pytest.approx(measured, rel=1e-6)
+    assert alpha_from_acceptance([]) == 0.0
+
+
+def test_latency_fit_recovers_a_linear_model():
+    truth = LatencyFit(5.0, 0.5, 0.02)
+    grid = [(b, t, truth(b, t)) for b in (1, 2, 4, 8) for t in (1, 4, 16)]
+    fit = LatencyFit.fit(grid)
+    assert (fit.a, fit.b, fit.c) == pytest.approx((5.0, 0.5, 0.02), rel=1e-6)
+    assert fit.max_rel_error < 1e-6
+    lat = Latency(grid)
+    assert lat(2, 4) == truth(2, 4) and lat(32, 2) == pytest.approx(truth(32, 2))
+    with pytest.raises(MedusaError, match="at least 3"):
+        LatencyFit.fit(grid[:2])
+
+
+def synthetic_model():
+    """Target: 40 ms fixed + compute that grows with B*T; speculation must stop paying at large B."""
+    target = LatencyFit(40.0, 0.1, 0.6)
+    draft = LatencyFit(8.0, 0.05, 0.1)
+    sizes, tokens = [1, 2, 4, 8, 16, 32, 64], [1, 2, 3, 5, 9, 17]
+    return {"latency_ms": {"target": Latency([(b, t, target(b, t)) for b in sizes for t in tokens]).to_dict(),
+                           "draft": Latency([(b, t, draft(b, t)) for b in sizes for t in (1, 2, 4)]).to_dict(),
+                           "heads": {str(b): 0.5 + 0.05 * b for b in sizes}},
+            "acceptance": {"medusa": {"tree-16": {"tau": 2.6, "tree_size": 17},
+                                      "tree-8": {"tau": 2.3, "tree_size": 9}},
+                           "draft": {"k": 4, "tau": 2.4, "alpha": alpha_from_acceptance([0.6, 0.5, 0.45, 0.4])}}}, sizes
+
+
+def test_predictions_and_crossover():
+    model, sizes = synthetic_model()
+    out = predict(model, sizes)
+    for b in sizes:
+        row = out["predicted"][str(b)]
+        t1 = 40.0 + 0.1 * b + 0.6 * b
+        t17 = 40.0 + 0.1 * b + 0.6 * b * 17
+        by_tree = row["medusa_by_tree"]
+        assert by_tree["tree-16"] == pytest.approx(2.6 * t1 / (t17 + 0.5 + 0.05 * b))
+        assert row["medusa"] == max(by_tree.values()) and out["best_tree"][str(b)] == row["medusa_tree"]
+        rec = out["recommendation"][str(b)]
+        best = max(row.get("medusa", 0), row.get("draft", 0))
+        assert (rec == "plain") == (best <= 1.0)
+    assert out["recommendation"]["1"] == "medusa" and out["recommendation"]["64"] == "plain"
+    cross = out["crossover"]["medusa"]
+    assert cross is not None and out["predicted"][str(cross)]["medusa"] <= 1.0
+    before = [b for b in sizes if b < cross]
+    assert all(out["predicted"][str(b)]["medusa"] > 1.0 for b in before)
+    # The smaller tree wins once verification costs real compute.
+    assert out["best_tree"]["1"] == "tree-16" and out["best_tree"][str(sizes[-1])] == "tree-8"
+
+
+def test_crossover_helper():
+    assert crossover({1: 1.8, 4: 1.2, 8: 0.9, 16: 1.1}) == 8
+    assert crossover({1: 1.5, 2: 1.01}) is None
+    assert crossover({1: 1.0}) == 1
+
+
+def test_cli_scalar_inputs(capsys):
+    # alpha 0.8, K 4: E = 3.3616; c* = 0.5904. Draft at 0.5x pays at B=1, at 0.7x it does not.
+    rc = main(["crossover", "--target-ms", "10,10", "--draft-ms", "5,7", "--alpha", "0.8", "--k", "4",
+               "--batch-sizes", "1,8", "--json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {r["batch_size"]: r for r in data["rows"]}
+    assert rows[1]["draft"] == pytest.approx(3.3616 / 3.0) and rows[1]["regime"] == "draft"
+    assert rows[8]["draft"] == pytest.approx(3.3616 / 3.8) and rows[8]["regime"] == "plain"
+    assert data["crossover"]["draft"] == 8
+
+
+def test_cli_picks_the_best_k_and_prints_a_table(capsys):
+    assert main(["crossover", "--target-ms", "20", "--draft-ms", "1", "--alpha", "0.9", "--k", "1,2,4,8"]) == 0
+    out = capsys.readouterr().out
+    assert "regime" in out and " draft" in out and "pays at every batch size" in out
+
+
+def test_cli_reads_a_cost_model(tmp_path, capsys):
+    model, sizes = synthetic_model()
+    path = tmp_path / "cm.json"
+    path.write_text(json.dumps({"cost_model": predict(model, sizes)}))
+    assert main(["crossover", "--cost-model", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["batch_size"] for r in data["rows"]] == sizes
+    assert data["rows"][0]["regime"] == "medusa" and data["rows"][-1]["regime"] == "plain"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--target-ms", "10"], "missing --draft-ms, --alpha, --k"),
+    (["--target-ms", "10", "--draft-ms", "1", "--alpha", "1.5", "--k", "4"], "--alpha"),
+    (["--target-ms", "10,20", "--draft-ms", "1", "--alpha", "0.5", "--k", "4", "--batch-sizes", "1,2,4"],
+     "--target-ms: 2 values for 3 batch sizes"),
+    (["--target-ms", "0", "--draft-ms", "1", "--alpha", "0.5", "--k", "4"], "must be positive"),
+    (["--cost-model", "/no/such.json"], "--cost-model"),
+])
+def test_cli_bad_input(capsys, argv, message):
+    rc = main(["crossover", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err
