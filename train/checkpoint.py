@@ -1,0 +1,83 @@
+"""Atomic training checkpoints: heads + optimizer + scheduler + RNG state + where the data order stood.
+
+A checkpoint is written into a temporary directory next to its final place and renamed, so a reader (or a
+run resumed after `kill -9`) sees either the whole checkpoint or none. `meta.json` records the base model
+and head configuration; resuming with another base or head layout is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from medusa.errors import MedusaError
+
+STATE = "trainer_state.pt"
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+def atomic_dir(final: Path, fill) -> Path:
+    """Create `final` by filling a sibling temporary directory and renaming it into place."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    try:
+        fill(tmp)
+        os.chmod(tmp, 0o755)
+        if final.exists():
+            old = final.with_name(f".{final.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def save_checkpoint(root: Path, step: int, meta: dict, fill_extra, keep: int) -> Path:
+    """root/step-XXXXXXXX; `fill_extra(tmpdir)` writes heads, state and anything else."""
+    def fill(tmp: Path) -> None:
+        fill_extra(tmp)
+        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=2) + "\n")
+
+    path = atomic_dir(root / f"step-{step:08d}", fill)
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if (p / "meta.json").exists())
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def check_meta(path: Path, expected: dict) -> dict:
+    """Refuse a checkpoint made for another base model or head configuration."""
+    meta = json.loads((path / "meta.json").read_text())
+    for key in ("base", "heads"):
+        if meta.get(key) != expected.get(key):
+            raise MedusaError(f"checkpoint {path} was made for {key} {meta.get(key)}, but this run has "
+                              f"{expected.get(key)}; use another run_dir or the matching config")
+    return meta

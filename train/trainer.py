@@ -1,0 +1,517 @@
+"""Training loop for Medusa heads: Medusa-1 from cached hidden states or live forwards, Medusa-2 with LoRA.
+
+One process, `torchrun` (DDP over gloo/nccl) or `deepspeed` (ZeRO 1/2) run the same code. Every process
+sees the same global batch order (seeded per epoch) and takes its slice; losses are normalised by the
+global label count, so N processes compute the same update as one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from medusa.errors import MedusaError
+from medusa.heads import HeadsConfig, MedusaHeads
+from medusa.model import load_target
+
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .data import example, head_labels, pad_batch, split_eval, training_pairs
+from .hidden import PositionTable, build_table, cached_table, hf_hidden_fn, table_key
+from .objective import HeadObjective, rank_accuracy
+
+
+# ---- process group --------------------------------------------------------------------------------
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+def init_dist(cfg: TrainConfig) -> Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist()
+    if not dist.is_initialized():
+        if cfg.deepspeed:
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+        else:
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size())
+
+
+# ---- data -----------------------------------------------------------------------------------------
+def load_examples(cfg: TrainConfig, tokenizer) -> list[dict]:
+    """Tokenised training examples: distilled answers (default) or the sources' own answers."""
+    examples = []
+    if cfg.data.use == "distilled":
+        from .distill import distill_dir, load_distilled
+
+        ds = load_distilled(distill_dir(cfg))
+        for p, r in zip(ds["prompt_ids"], ds["response_ids"]):
+            e = example(p, r, cfg.data.max_seq_tokens)
+            if e is not None:
+                examples.append(e)
+    else:
+        from .data import answer_ids, chat_prompt_ids
+
+        eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() \
+            else tokenizer.eos_token_id
+        for prompt, answer in training_pairs(cfg.data.sources, cfg.data.limit):
+            if answer:
+                e = example(chat_prompt_ids(tokenizer, prompt), answer_ids(tokenizer, answer, eos),
+                            cfg.data.max_seq_tokens)
+                if e is not None:
+                    examples.append(e)
+    if len(examples) < 2:
+        raise MedusaError("data: fewer than 2 usable examples (distil more prompts or raise data.limit)")
+    return examples
+
+
+def base_fingerprint(hf_model, name: str) -> dict:
+    """What a checkpoint must match: architecture sizes and a checksum of the output projection."""
+    w = hf_model.get_output_embeddings().weight
+    c = hf_model.config
+    return {"name": name, "hidden_size": c.hidden_size, "vocab_size": w.shape[0],
+            "layers": c.num_hidden_layers, "lm_head_sum": round(float(w[:256].float().abs().sum()), 2)}
+
+
+# ---- schedule -------------------------------------------------------------------------------------
+def lr_lambda(cfg: TrainConfig, total: int):
+    def f(step: int) -> float:
+        if step < cfg.optim.warmup_steps:
+            return (step + 1) / cfg.optim.warmup_steps
+        if cfg.optim.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.optim.warmup_steps) / max(1, total - cfg.optim.warmup_steps))
+        floor = cfg.optim.min_lr_ratio
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+# ---- the run --------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    cfg: TrainConfig
+    d: Dist
+    hf_model: object
+    tokenizer: object
+    objective: HeadObjective
+    module: torch.nn.Module          # what the optimizer trains (objective, or objective + LoRA)
+    meta: dict
+    run_dir: Path
+    history: list = field(default_factory=list)
+
+
+def run_training(cfg: TrainConfig, eval_only: bool = False) -> dict:
+    torch.manual_seed(cfg.seed)
+    d = init_dist(cfg)
+    run_dir = Path(cfg.run_dir)
+    hf_model, tokenizer = load_target(cfg.model, cfg.dtype, "cpu" if not torch.cuda.is_available() else None)
+    if cfg.medusa2.enabled:
+        from .medusa2 import add_lora
+
+        hf_model = add_lora(hf_model, cfg.medusa2)
+    base = hf_model.get_base_model() if hasattr(hf_model, "get_base_model") else hf_model
+    hcfg = HeadsConfig(hidden_size=base.config.hidden_size, vocab_size=base.get_output_embeddings().weight.shape[0],
+                       num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers,
+                       own_lm_head=cfg.heads.own_lm_head, base_model=getattr(base, "name_or_path", cfg.model))
+    torch.manual_seed(cfg.seed)
+    heads = MedusaHeads(hcfg, base.get_output_embeddings()).float()
+    objective = HeadObjective(heads, base.get_output_embeddings().weight, cfg.head_weights(), cfg.loss.kind,
+                              cfg.loss.kl_temperature)
+    meta = {"base": base_fingerprint(base, hcfg.base_model), "heads": asdict(hcfg) | {"base_model": None},
+            "medusa2": cfg.medusa2.enabled}
+    run = Run(cfg, d, hf_model, tokenizer, objective, objective, meta, run_dir)
+    examples = load_examples(cfg, tokenizer)
+    train_idx, eval_idx = split_eval(len(examples), cfg.data.eval_fraction, cfg.seed)
+    train_ex, eval_ex = [examples[i] for i in train_idx], [examples[i] for i in eval_idx]
+    if cfg.medusa2.enabled:
+        from .medusa2 import train_medusa2
+
+        state = train_medusa2(run, train_ex) if not eval_only else {}
+    else:
+        state = train_medusa1(run, train_ex, eval_only)
+    return finish(run, eval_ex, state)
+
+
+def _tables(run: Run, train_ex: list[dict]) -> PositionTable:
+    cfg = run.cfg
+    key = table_key(run.meta["base"], cfg.dtype, len(train_ex), [e["input_ids"][:8] for e in train_ex[:64]],
+                    sum(len(e["input_ids"]) for e in train_ex))
+    build = lambda: build_table(train_ex, hf_hidden_fn(run.hf_model), progress=run.d.main)
+    if run.d.world > 1:
+        # One process builds the cache, the others wait and read it.
+        if run.d.main:
+            cached_table(run.run_dir / "hidden" / "train.safetensors", key, build)
+        run.d.barrier()
+    return cached_table(run.run_dir / "hidden" / "train.safetensors", key, build)
+
+
+def make_optimizer(run: Run, total: int):
+    cfg = run.cfg
+    groups = [{"params": [p for p in run.objective.parameters() if p.requires_grad], "lr": cfg.optim.lr}]
+    extra = getattr(run, "lora_params", None)
+    if extra:
+        groups.append({"params": extra, "lr": cfg.medusa2.lora_lr or cfg.optim.lr})
+    opt = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
+    return opt, sched
+
+
+class Stepper:
+    """Wraps DDP / DeepSpeed / plain optimizer stepping behind one interface."""
+
+    def __init__(self, run: Run, module: torch.nn.Module, total: int):
+        cfg = run.cfg
+        self.run = run
+        self.opt, self.sched = make_optimizer(run, total)
+        self.engine = None
+        self.model = module
+        if run.d.world > 1 and cfg.deepspeed:
+            import deepspeed
+
+            ds_cfg = json.loads(Path(cfg.deepspeed).read_text())
+            ds_cfg["gradient_accumulation_steps"] = cfg.grad_accum
+            ds_cfg["train_micro_batch_size_per_gpu"] = max(1, cfg.batch_size // run.d.world)
+            ds_cfg.pop("train_batch_size", None)
+            ds_cfg["gradient_clipping"] = cfg.optim.grad_clip
+            ds_cfg["zero_allow_untested_optimizer"] = True
+            self.engine, self.opt, _, self.sched = deepspeed.initialize(
+                model=module, optimizer=self.opt, lr_scheduler=self.sched, config=ds_cfg,
+                model_parameters=[p for p in module.parameters() if p.requires_grad])
+            self.model = self.engine
+        elif run.d.world > 1:
+            self.model = torch.nn.parallel.DistributedDataParallel(module, find_unused_parameters=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # Losses are already normalised by global counts; undo the averaging DDP / DeepSpeed apply.
+        scale = self.run.d.world
+        if self.engine is not None:
+            self.engine.backward(loss * scale * self.run.cfg.grad_accum)
+        else:
+            (loss * scale).backward()
+
+    def step(self) -> None:
+        if self.engine is not None:
+            self.engine.step()
+            return
+        if self.run.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for g in self.opt.param_groups for p in g["params"]],
+                                           self.run.cfg.optim.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def lr(self) -> float:
+        return self.opt.param_groups[0]["lr"]
+
+    def state(self) -> dict:
+        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}
+
+    def load_state(self, state: dict) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+
+
+def train_medusa1(run: Run, train_ex: list[dict], eval_only: bool) -> dict:
+    cfg, d = run.cfg, run.d
+    num_heads = cfg.heads.num_heads
+    if cfg.cache_hidden:
+        table = _tables(run, train_ex)
+    else:
+        table = None
+    if table is not None:
+        positions = table.trainable()
+        unit = cfg.batch_size * cfg.grad_accum
+        per_epoch = len(positions) // unit
+        if per_epoch == 0:
+            raise MedusaError(f"batch_size: {unit} positions per step exceed the {len(positions)} available")
+    else:
+        per_epoch = len(train_ex) // (cfg.batch_size * cfg.grad_accum)
+        if per_epoch == 0:
+            raise MedusaError(f"batch_size: {cfg.batch_size * cfg.grad_accum} sequences per step exceed the "
+                              f"{len(train_ex)} training examples")
+    total = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
+    stepper = Stepper(run, run.objective, total)
+    step = resume(run, stepper)
+    if eval_only:
+        return {"step": step, "total": total}
+    logger = Logger(run, total)
+    micro = cfg.batch_size // d.world
+    if cfg.batch_size % d.world:
+        raise MedusaError(f"batch_size: {cfg.batch_size} is not divisible by the {d.world} processes")
+    while step < total:
+        epoch, within = divmod(step, per_epoch)
+        n_items = len(positions) if table is not None else len(train_ex)
+        order = torch.randperm(n_items, generator=torch.Generator().manual_seed(cfg.seed * 100003 + epoch))
+        start = time.perf_counter()
+        agg = None
+        global_idx = [order[(within * cfg.grad_accum + m) * cfg.batch_size:
+                            (within * cfg.grad_accum + m + 1) * cfg.batch_size] for m in range(cfg.grad_accum)]
+        if table is not None:
+            sel = [positions[g] for g in global_idx]
+            labels = [table.labels(s, num_heads) for s in sel]
+            norm = sum((lab >= 0).sum(0) for lab in labels)
+            for m in range(cfg.grad_accum):
+                mine = slice(d.rank * micro, (d.rank + 1) * micro)
+                idx, lab = sel[m][mine], labels[m][mine]
+                teacher = _teacher_from_table(table, idx, num_heads) if cfg.loss.kind == "kl" else None
+                loss, stats = stepper.model(table.hidden[idx], lab, norm, teacher)
+                stepper.backward(loss)
+                agg = _merge(agg, loss, stats)
+        else:
+            batches = [pad_batch([train_ex[int(i)] for i in g]) for g in global_idx]
+            labels = [head_labels(b["input_ids"], b["loss_mask"], num_heads) for b in batches]
+            norm = sum((lab >= 0).sum((0, 1)) for lab in labels)
+            for m in range(cfg.grad_accum):
+                mine = slice(d.rank * micro, (d.rank + 1) * micro)
+                part = {k: v[mine] for k, v in batches[m].items()}
+                with torch.no_grad():
+                    hidden = hf_hidden_fn(run.hf_model)(part)
+                lab = labels[m][mine]
+                keep = (lab >= 0).any(-1)
+                teacher = _teacher_from_seq(hidden, num_heads)[keep] if cfg.loss.kind == "kl" else None
+                loss, stats = stepper.model(hidden[keep], lab[keep], norm, teacher)
+                stepper.backward(loss)
+                agg = _merge(agg, loss, stats)
+        stepper.step()
+        step += 1
+        logger.log(step, agg, stepper.lr(), int(norm[0]), time.perf_counter() - start)
+        if step % cfg.checkpoint_every == 0 or step == total:
+            save(run, stepper, step)
+    logger.close()
+    return {"step": step, "total": total, "history": run.history}
+
+
+def _teacher_from_table(table: PositionTable, idx: torch.Tensor, num_heads: int) -> torch.Tensor:
+    j = torch.stack([(idx + k + 1).clamp(max=len(table) - 1) for k in range(num_heads)], 1)
+    return table.hidden[j]
+
+
+def _teacher_from_seq(hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
+    b, t, h = hidden.shape
+    j = (torch.arange(t)[:, None] + torch.arange(1, num_heads + 1)[None]).clamp(max=t - 1)  # [T, K]
+    return hidden[:, j]  # [B, T, K, H]
+
+
+def _merge(agg, loss, stats):
+    if agg is None:
+        return {"loss": float(loss.detach()), **{k: list(v) for k, v in stats.items()}}
+    agg["loss"] += float(loss.detach())
+    for k, v in stats.items():
+        agg[k] = [a + b for a, b in zip(agg[k], v)]
+    return agg
+
+
+# ---- logging ----------------------------------------------------------------------------------------
+class Logger:
+    """Console lines and (offline by default) wandb: loss, per-head top-1/top-5, lr, tokens/s."""
+
+    def __init__(self, run: Run, total: int):
+        self.run, self.total = run, total
+        self.wandb = None
+        self.t0 = time.perf_counter()
+        self.positions = 0
+        if run.d.main:
+            self.wandb = start_wandb(run)
+
+    def log(self, step: int, agg: dict, lr: float, positions: int, seconds: float) -> None:
+        d = self.run.d
+        t = torch.tensor([agg["loss"]] + agg["correct1"] + agg["correct5"] + agg["count"], dtype=torch.float64)
+        d.all_reduce(t)
+        k = len(agg["count"])
+        # Each process's loss is its share of the global loss (global normalisation): the sum is the loss.
+        c1, c5, n = t[1: 1 + k], t[1 + k: 1 + 2 * k], t[1 + 2 * k:].clamp_min(1)
+        self.positions += positions
+        row = {"step": step, "loss": float(t[0]), "lr": lr,
+               "tokens_per_s": positions / max(seconds, 1e-9),
+               **{f"head{i}/top1": float(c1[i] / n[i]) for i in range(k)},
+               **{f"head{i}/top5": float(c5[i] / n[i]) for i in range(k)}}
+        self.run.history.append({"step": step, "loss": row["loss"]})
+        if not d.main:
+            return
+        if self.wandb is not None:
+            self.wandb.log(row, step=step)
+        if step % self.run.cfg.log_every == 0 or step == self.total or step == 1:
+            accs = " ".join(f"{row[f'head{i}/top1']:.3f}" for i in range(k))
+            print(f"step {step}/{self.total} loss {row['loss']:.4f} top1 [{accs}] lr {lr:.2e} "
+                  f"{row['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def start_wandb(run: Run):
+    """Offline or disabled unless the config asks for online; WANDB_MODE=disabled always wins."""
+    mode = run.cfg.wandb.mode
+    if os.environ.get("WANDB_MODE") == "disabled" or mode == "disabled":
+        return None
+    if mode == "offline":
+        os.environ["WANDB_MODE"] = "offline"
+    try:
+        import wandb
+    except ImportError:
+        return None
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=run.cfg.wandb.project, name=run.cfg.wandb.name, dir=str(run.run_dir),
+                      mode=mode, config=run.cfg.model_dump(), reinit="finish_previous")
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+def save(run: Run, stepper: Stepper, step: int) -> None:
+    root = run.run_dir / "checkpoints"
+    if stepper.engine is not None:
+        _save_deepspeed(run, stepper, step)
+        return
+    if not run.d.main:
+        return
+
+    def fill(tmp: Path) -> None:
+        run.objective.heads.save(tmp / "heads")
+        if getattr(run, "save_adapter", None):
+            run.save_adapter(tmp / "adapter")
+        torch.save({"step": step, **stepper.state(), "rng": ckpt.rng_state(), "history": run.history},
+                   tmp / ckpt.STATE)
+
+    ckpt.save_checkpoint(root, step, run.meta, fill, run.cfg.keep_checkpoints)
+
+
+def _save_deepspeed(run: Run, stepper: Stepper, step: int) -> None:
+    """Every process writes its optimizer partition into a shared temporary directory; rank 0 renames."""
+    root = run.run_dir / "checkpoints"
+    tmp = root / f".step-{step:08d}.ds"
+    if run.d.main:
+        root.mkdir(parents=True, exist_ok=True)
+    run.d.barrier()
+    stepper.engine.save_checkpoint(str(tmp), tag="ds", client_state={"step": step, "history": run.history})
+    run.d.barrier()
+    if run.d.main:
+        def fill(t: Path) -> None:
+            run.objective.heads.save(t / "heads")
+            os.replace(tmp / "ds", t / "ds")
+            torch.save({"step": step, "rng": ckpt.rng_state(), "history": run.history}, t / ckpt.STATE)
+
+        ckpt.save_checkpoint(root, step, run.meta, fill, run.cfg.keep_checkpoints)
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    run.d.barrier()
+
+
+def resume(run: Run, stepper: Stepper) -> int:
+    path = ckpt.latest_checkpoint(run.run_dir / "checkpoints")
+    if path is None:
+        return 0
+    ckpt.check_meta(path, run.meta)
+    loaded = MedusaHeads.load(path / "heads")
+    run.objective.heads.load_state_dict(loaded.state_dict())
+    state = torch.load(path / ckpt.STATE, map_location="cpu", weights_only=False)
+    if stepper.engine is not None:
+        stepper.engine.load_checkpoint(str(path), tag="ds")
+    else:
+        stepper.load_state(state)
+    if getattr(run, "load_adapter", None):
+        run.load_adapter(path / "adapter")
+    ckpt.set_rng_state(state["rng"])
+    run.history[:] = state.get("history", [])
+    if run.d.main:
+        print(f"resumed from {path} (step {state['step']})", file=sys.stderr)
+    return int(state["step"])
+
+
+# ---- evaluation and outputs -----------------------------------------------------------------------
+def evaluate(run: Run, eval_ex: list[dict]) -> dict:
+    """Per-head top-1..top-k accuracy on the held-out split (hidden states of the trained base)."""
+    cfg = run.cfg
+    if not eval_ex:
+        return {}
+    table = build_table(eval_ex, hf_hidden_fn(run.hf_model))
+    idx = table.trainable()
+    labels = table.labels(idx, cfg.heads.num_heads)
+    acc, counts = rank_accuracy(run.objective, table.hidden[idx], labels, cfg.eval_topk)
+    cumulative = [[sum(a[: r + 1]) for r in range(len(a))] for a in acc]
+    return {"examples": len(eval_ex), "labels_per_head": counts, "rank_accuracy": acc,
+            "topk_accuracy": cumulative,
+            "top1": [c[0] for c in cumulative], "top5": [c[min(4, len(c) - 1)] for c in cumulative]}
+
+
+def finish(run: Run, eval_ex: list[dict], state: dict) -> dict:
+    cfg, d = run.cfg, run.d
+    result = {"rank": d.rank, "heads_dir": str(run.run_dir / "heads")}
+    if not d.main:
+        d.barrier()
+        return result
+    run.objective.eval()
+    report = evaluate(run, eval_ex)
+    report["step"] = state.get("step")
+    heads_dir = run.run_dir / "heads"
+
+    def fill(tmp: Path) -> None:
+        run.objective.heads.save(tmp)
+        (tmp / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+        (tmp / "train_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        if getattr(run, "save_adapter", None):
+            run.save_adapter(tmp / "adapter")
+
+    ckpt.atomic_dir(heads_dir, fill)
+    latest = ckpt.latest_checkpoint(run.run_dir / "checkpoints")
+    if latest is not None:
+        tmp = latest / ".eval.json.tmp"
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, latest / "eval.json")
+    if cfg.export_heads:
+        import shutil
+
+        ckpt.atomic_dir(Path(cfg.export_heads), lambda t: [shutil.copy2(p, t / p.name)
+                                                         for p in heads_dir.iterdir() if p.is_file()])
+    if cfg.write_trees and report:
+        write_trees(report["rank_accuracy"], cfg.tree_budgets, Path(cfg.write_trees), str(heads_dir))
+    d.barrier()
+    result.update(accuracy=report.get("topk_accuracy", []), history=state.get("history", []), eval=report)
+    return result
+
+
+def write_trees(accuracy: list[list[float]], budgets: list[int], directory: Path, source: str) -> list[Path]:
+    """tree-{budget}.yaml from measured head accuracies (medusa.tree.build_tree)."""
+    from medusa.tree import build_tree
+
+    directory.mkdir(parents=True, exist_ok=True)
+    out = []
+    for budget in budgets:
+        tree = build_tree(accuracy, budget, name=f"tree-{budget}")
+        lines = [f"# {budget}-node tree (root not counted), greedy construction from the measured per-head",
+                 f"# top-k accuracies of the trained heads ({Path(source).name}/eval.json).",
+                 "# Each path lists top-k ranks: [i, j] = head 1's i-th token, then head 2's j-th.", "paths:"]
+        lines += [f"  - {list(p)}" for p in tree.nodes]
+        path = directory / f"tree-{budget}.yaml"
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        os.replace(tmp, path)
+        out.append(path)
+    return out
