@@ -85,13 +85,18 @@ class MedusaHeads(nn.Module):
         p = model.get_output_embeddings().weight
         return self.to(device=p.device, dtype=p.dtype)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits [num_heads, ..., V]."""
-        out = []
-        for k, block in enumerate(self.blocks):
-            h = block(hidden)
-            out.append(self.lm_heads[k](h) if self.lm_heads is not None else self.base_lm_head(h))
-        return torch.stack(out)
+    def forward(self, hidden: torch.Tensor, projection: nn.Module | None = None,
+                num_heads: int | None = None) -> torch.Tensor:
+        """hidden [..., H] -> logits [num_heads, ..., V].
+
+        `projection` may stand in for the shared base lm_head (e.g. the engine's packed copy of it).
+        All shared-projection heads go through it in one matmul, so the vocabulary matrix, the largest
+        weight of a small model, is read once per step rather than once per head.
+        """
+        blocks = self.blocks[: num_heads or len(self.blocks)]
+        if self.lm_heads is not None:
+            return torch.stack([self.lm_heads[k](block(hidden)) for k, block in enumerate(blocks)])
+        return (projection or self.base_lm_head)(torch.stack([block(hidden) for block in blocks]))
 
     # ---- saving and loading -------------------------------------------------------------------
     def save(self, directory: str | Path, medusa_layout: bool = False) -> Path:

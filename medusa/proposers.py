@@ -31,15 +31,16 @@ class MedusaProposer:
 
     name = "medusa"
 
-    def __init__(self, heads: MedusaHeads, tree: Tree | str = "tree-16"):
+    def __init__(self, heads: MedusaHeads, tree: Tree | str = "tree-16", projection: torch.nn.Module | None = None):
         self.heads = heads
+        self.projection = projection  # the engine's (possibly packed) lm_head, for shared-projection heads
         self.tree = load_tree(tree) if isinstance(tree, str) else tree
         self.tree.check_heads(heads.config.num_heads)
 
     @torch.inference_mode()
     def propose(self, batch: "Batch") -> torch.Tensor:
         hidden = batch.hidden[: batch.n]
-        logits = self.heads(hidden)[: self.tree.depth]  # [D, n, V]
+        logits = self.heads(hidden, self.projection, self.tree.depth)  # [D, n, V]
         top = logits.topk(self.tree.topk, dim=-1).indices  # [D, n, k]
         flat = top.permute(1, 0, 2).reshape(hidden.shape[0], -1)
         return flat[:, self.tree.buffers(hidden.device).cand_index]

@@ -44,7 +44,7 @@ class Runtime:
             shape = tree if isinstance(tree, Tree) else load_tree(tree or DEFAULT_TREE)
             if self.heads is None:
                 raise MedusaError("--mode medusa needs heads: pass --heads PATH (no shipped heads fit this model)")
-            return MedusaProposer(self.heads, shape)
+            return MedusaProposer(self.heads, shape, projection=self.model.lm_head)
         raise MedusaError(f"--mode: unknown mode {mode!r} (choose plain or medusa)")
 
     def encode(self, prompts: list[str], raw: bool = False) -> list[list[int]]:

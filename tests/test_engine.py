@@ -157,3 +157,17 @@ def test_remove_cancels_a_row():
             done[f.id] = f.tokens
     assert done[0] == hf_greedy(model, prompts[0], MAX_NEW)
     assert done[2] == hf_greedy(model, prompts[2], MAX_NEW)
+
+
+def test_packed_bf16_linear_matches_linear():
+    from medusa.transformer import PackedLinear, packing_available
+
+    lin = torch.nn.Linear(64, 300, bias=True).to(torch.bfloat16)
+    if not packing_available(lin.weight):
+        pytest.skip("oneDNN bf16 packing is not available on this CPU")
+    packed = PackedLinear(lin)
+    for rows in (1, 7, 40):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        assert torch.allclose(packed(x).float(), lin(x).float(), atol=2e-2, rtol=2e-2)
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)  # [B, T, H] inputs, as the engine passes them
+    assert packed(x).shape == (2, 5, 300)
