@@ -183,6 +183,8 @@ def save_truncated(draft: torch.nn.Module, directory: str | Path, meta: dict) ->
     info = {"kind": "truncated", "num_layers": len(draft.model.layers), **meta}
     _atomic(directory / DRAFT_FILES[0], lambda p: save_file(tensors, str(p)))
     _atomic(directory / DRAFT_FILES[1], lambda p: Path(p).write_text(json.dumps(info, indent=2) + "\n"))
+    for name in DRAFT_FILES:
+        (directory / name).chmod(0o644)  # temp files are created private; the result is a shared asset
     return directory
 
 

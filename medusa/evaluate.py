@@ -299,14 +299,22 @@ def summarize(m: MethodSpec, batch: int, results: list[RunResult], reference: li
 
 def evaluate(cfg: EvalConfig, out_dir: Path, progress: bool = True) -> dict:
     """Run the whole evaluation and write report.json, report.md and the plots into `out_dir`."""
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _evaluate(cfg, out_dir, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _evaluate(cfg: EvalConfig, out_dir: Path, progress: bool) -> dict:
     from tqdm import tqdm
 
     from .prompts import load_prompts
     from .report import write_report
     from .runtime import Runtime
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     needs_heads = any(m.method == "medusa" for m in cfg.methods)
     rt = Runtime.load(cfg.model, cfg.heads if needs_heads else "none", cfg.dtype, cfg.device)
     texts = load_prompts(cfg.prompts, cfg.max_prompts)

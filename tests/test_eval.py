@@ -40,7 +40,7 @@ def tiny_checkpoint(root):
 def test_eval_end_to_end_schema(tmp_path, capsys):
     model_dir, heads_dir, prompts = tiny_checkpoint(tmp_path)
     cfg = {"model": str(model_dir), "heads": str(heads_dir), "dtype": "fp32", "device": "cpu",
-           "prompts": str(prompts), "raw_prompts": True, "max_new_tokens": 12, "repeats": 2,
+           "prompts": str(prompts), "raw_prompts": True, "max_new_tokens": 12, "repeats": 2, "threads": 1,
            "batch_sizes": [1, 4, 8], "hf_batch_sizes": [1, 4],
            "methods": [{"method": "plain"}, {"method": "medusa", "tree": "tree-8"},
                        {"method": "draft", "draft": "layers:1", "k": 3}, {"method": "lookup", "k": 4},

@@ -1,0 +1,159 @@
+"""`medusa train-draft`: a small draft model cut from the target and distilled on the target's own answers.
+
+The draft is the target's first N layers plus its final norm, reading the target's (frozen, shared)
+embeddings and lm_head. Only the N layers and the norm are trained, on the self-distilled data the Medusa
+heads use (`medusa distill`: the target's greedy answers), with cross-entropy on the answer tokens: the
+draft learns to predict what the target would say, which is exactly what gets accepted. Only the draft's
+own tensors are saved (bf16), so 4 layers of SmolLM2-135M take about 28 MB.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import torch
+
+from .draft import SHIPPED_DRAFT, save_truncated, truncated_model
+from .errors import MedusaError
+
+
+def find_distilled(model: str) -> list[tuple[list[int], list[int]]]:
+    """(prompt_ids, response_ids) pairs from `medusa distill`'s dataset for the default training config, if
+    it has any complete shard; else an empty list."""
+    try:
+        from train.config import load_config
+        from train.distill import distill_dir, load_distilled
+    except ImportError:
+        return []
+    config = Path(__file__).resolve().parent.parent / "configs" / "train" / "smollm2-medusa1.yaml"
+    if model != "default" or not config.exists():
+        return []
+    try:
+        ds = load_distilled(distill_dir(load_config(str(config), [])))
+    except MedusaError:
+        return []
+    return list(zip(ds["prompt_ids"], ds["response_ids"]))
+
+
+def load_pairs(path: str) -> list[tuple[list[int], list[int]]]:
+    try:
+        from train.distill import load_distilled
+    except ImportError:
+        raise MedusaError("--data needs the training package (train/) installed") from None
+    ds = load_distilled(path)
+    return list(zip(ds["prompt_ids"], ds["response_ids"]))
+
+
+def distil_here(rt, count: int, max_new: int, batch_size: int = 16, progress: bool = True):
+    """Greedy answers of the target to `count` ShareGPT prompts (never MT-bench: the evaluation set)."""
+    from tqdm import tqdm
+
+    from .prompts import mtbench_prompts, sharegpt_prompts
+
+    held_out = {p.strip() for p in mtbench_prompts()}
+    texts = [p for p in sharegpt_prompts(count * 3) if p.strip() not in held_out]
+    prompts = [ids for ids in rt.encode(texts) if len(ids) <= 192][:count]
+    pairs = []
+    for s in tqdm(range(0, len(prompts), batch_size), desc="distil", disable=not progress):
+        chunk = prompts[s: s + batch_size]
+        gen = rt.engine.generate(chunk, max_new)
+        pairs += [(p, o.tokens) for p, o in zip(chunk, gen.outputs)]
+    return pairs
+
+
+def make_examples(pairs, seq_len: int) -> list[tuple[list[int], list[int]]]:
+    """(input ids, labels) with labels only on answer tokens (-100 elsewhere), cut to seq_len + 1."""
+    out = []
+    for prompt, response in pairs:
+        ids = list(prompt) + list(response)
+        labels = [-100] * len(prompt) + list(response)
+        if len(ids) > seq_len + 1:  # keep the answer's start: drop the front of the prompt, then the tail
+            cut = min(len(ids) - seq_len - 1, max(len(prompt) - 8, 0))
+            ids, labels = ids[cut:][: seq_len + 1], labels[cut:][: seq_len + 1]
+        if sum(lab != -100 for lab in labels[1:]) > 0:
+            out.append((ids, labels))
+    return out
+
+
+def collate(batch, pad: int):
+    width = max(len(ids) for ids, _ in batch)
+    x = torch.full((len(batch), width), pad, dtype=torch.long)
+    y = torch.full((len(batch), width), -100, dtype=torch.long)
+    for i, (ids, labels) in enumerate(batch):
+        x[i, : len(ids)] = torch.tensor(ids)
+        y[i, : len(labels)] = torch.tensor(labels)
+    return x[:, :-1], y[:, 1:]
+
+
+def train_draft(model: str = "default", layers: int = 4, data: str | None = None, distill_prompts: int = 128,
+                steps: int = 300, batch_size: int = 8, seq_len: int = 256, lr: float = 3e-4,
+                out: str | None = None, progress: bool = True, seed: int = 0) -> Path:
+    from tqdm import tqdm
+
+    from .runtime import Runtime
+
+    if steps < 1 or batch_size < 1 or seq_len < 8:
+        raise MedusaError("--steps and --batch-size must be >= 1 and --seq-len >= 8")
+    torch.manual_seed(seed)
+    rt = Runtime.load(model, heads="none", dtype="bf16")
+    pairs = load_pairs(data) if data else find_distilled(model)
+    source = data or ("medusa distill dataset" if pairs else f"{distill_prompts} prompts distilled here")
+    if not pairs:
+        pairs = distil_here(rt, distill_prompts, max_new=min(seq_len, 160), progress=progress)
+    examples = make_examples(pairs, seq_len)
+    if len(examples) < 2:
+        raise MedusaError(f"--data: only {len(examples)} usable examples")
+    random.Random(seed).shuffle(examples)
+    n_eval = max(1, len(examples) // 20)
+    held, train = examples[:n_eval], examples[n_eval:]
+    target = rt.hf_model.float()
+    draft = truncated_model(target, layers)
+    trainable = [p for n, p in draft.named_parameters() if not n.startswith(("model.embed_tokens", "lm_head"))]
+    for p in trainable:
+        p.requires_grad_(True)
+    draft.train()
+    opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+    warm = min(20, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(warm, 1)) * 0.5 * (
+        1 + math.cos(math.pi * min(s, steps) / steps)))
+    pad = rt.tokenizer.pad_token_id or 0
+    before = agreement(draft, held, pad)
+    rng = random.Random(seed + 1)
+    bar = tqdm(range(steps), desc="train-draft", disable=not progress)
+    loss_val = float("nan")
+    for _ in bar:
+        x, y = collate(rng.sample(train, min(batch_size, len(train))), pad)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=x.device.type == "cpu"):
+            logits = draft(x).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        sched.step()
+        loss_val = loss.item()
+        bar.set_postfix(loss=f"{loss_val:.3f}")
+    draft.eval().requires_grad_(False)
+    after = agreement(draft, held, pad)
+    meta = {"base_model": getattr(rt.hf_model, "name_or_path", model), "hidden_size": target.config.hidden_size,
+            "data": source, "examples": len(train), "steps": steps, "batch_size": batch_size, "seq_len": seq_len,
+            "lr": lr, "final_loss": loss_val, "heldout_top1_before": before, "heldout_top1_after": after}
+    where = save_truncated(draft, out or SHIPPED_DRAFT, meta)
+    print(f"held-out next-token agreement with the target: {before:.3f} -> {after:.3f}")
+    return where
+
+
+@torch.no_grad()
+def agreement(draft, examples, pad: int) -> float:
+    """Top-1 agreement of the draft with the target's answer tokens (about the per-token acceptance)."""
+    hit = total = 0
+    for s in range(0, len(examples), 8):
+        x, y = collate(examples[s: s + 8], pad)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=x.device.type == "cpu"):
+            pred = draft(x).logits.argmax(-1)
+        mask = y != -100
+        hit += int((pred == y)[mask].sum())
+        total += int(mask.sum())
+    return hit / max(total, 1)
