@@ -29,9 +29,10 @@ class PolicyConfig(BaseModel):
     low_watermark: int = Field(4, ge=0)
     # Medusa tree per running batch size: the largest key <= batch size applies.
     trees: dict[int, str] = Field(default_factory=lambda: {1: "tree-32", 4: "tree-16", 8: "tree-8"})
-    # Acceptance gate: mean tokens per row-step (tau) over the last `window` speculative steps; below
-    # `min_tau` speculation pauses for `retry_after_steps` steps and is then tried again.
-    window: int = Field(32, ge=1)
+    # Acceptance gate (per batch-size bucket): mean tokens per row-step (tau) over the last `window`
+    # speculative steps; below max(min_tau, measured spec/plain step-time ratio) speculation pauses for
+    # `retry_after_steps` steps (doubling on repeated failure) and is then tried again.
+    window: int = Field(16, ge=1)
     min_tau: float = Field(1.3, ge=1.0)
     retry_after_steps: int = Field(128, ge=1)
     # Evaluator cost-model JSON ({"recommendation": {"<batch size>": "medusa"|"draft"|"plain"},

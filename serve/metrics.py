@@ -29,7 +29,7 @@ class Metrics:
         self.step_seconds = Histogram("medusa_step_seconds", "Duration of one decode step",
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.accepted = Gauge("medusa_mean_accepted_tokens",
-                              "Tokens per row per speculative step (tau), mean over the policy window",
+                              "Tokens per row per speculative step (tau), mean since start",
                               registry=r)
         self.acceptance = Gauge("medusa_acceptance_rate",
                                 "Accepted candidates / proposed depth over speculative steps", registry=r)

@@ -6,8 +6,13 @@ extra tree tokens cost real time, and plain decoding wins. Two signals decide:
 
 - load (running rows + queued requests) against high/low watermarks, with hysteresis so the mode does not
   flap when load hovers at one level; defaults may come from the evaluator's cost model;
-- an acceptance gate: if the rolling mean of tokens per row-step (tau) over recent speculative steps falls
-  below `min_tau` (e.g. prompts the heads do not predict well), speculation pauses and is retried later.
+- an acceptance gate per batch-size bucket (1, 2, 3-4, 5-8, ...): speculation pays when the tokens per
+  row-step it yields (tau) exceed the cost of its step relative to a plain one. The policy times every step
+  and keeps, per bucket, a moving average of speculative and plain step time; when the rolling mean tau over
+  the last `window` speculative steps falls below max(min_tau, t_spec / t_plain), speculation pauses in that
+  bucket for `retry_after_steps` steps (doubling after each consecutive failure, up to 16x) and is then
+  tried again. So a poorly predicted workload, or a batch size past the crossover the watermarks did not
+  catch, falls back to plain decoding by measurement rather than by guess.
 
 Cost-model JSON read here (written by `medusa eval`; other keys are ignored):
     {"recommendation": {"1": "medusa", "2": "medusa", "8": "plain", ...},
@@ -88,6 +93,34 @@ def _floor_lookup(table: dict[int, str], n: int) -> str:
     return table[best]
 
 
+def bucket(n: int) -> int:
+    """Batch sizes grouped by powers of two: 1, 2, 4 (3-4), 8 (5-8), ..."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class _Gate:
+    """Per-bucket acceptance and cost record."""
+
+    EMA = 0.1
+    MAX_BACKOFF = 16
+
+    def __init__(self, window: int):
+        self.taus: deque[float] = deque(maxlen=window)
+        self.paused_until = -1
+        self.failures = 0
+        self.seconds: dict[str, float] = {}  # moving average step time: "spec" / "plain"
+
+    def time(self, kind: str, seconds: float) -> None:
+        old = self.seconds.get(kind)
+        self.seconds[kind] = seconds if old is None else old + self.EMA * (seconds - old)
+
+    @property
+    def cost_ratio(self) -> float | None:
+        if "spec" in self.seconds and "plain" in self.seconds:
+            return self.seconds["spec"] / max(self.seconds["plain"], 1e-9)
+        return None
+
+
 class SpeculationPolicy:
     def __init__(self, cfg: PolicyConfig, has_medusa: bool, has_draft: bool):
         self.cfg = cfg
@@ -101,10 +134,15 @@ class SpeculationPolicy:
             need = "heads (--heads)" if cfg.mode == "medusa" else "a draft model (--draft)"
             raise MedusaError(f"policy.mode {cfg.mode!r} needs {need}")
         self.spec_on = True
-        self.window: deque[float] = deque(maxlen=cfg.window)
-        self.paused_until = -1  # step index until which the acceptance gate keeps speculation off
+        self.gates: dict[int, _Gate] = {}
         self.step = 0
         self.last: Decision | None = None
+
+    def gate(self, n: int) -> _Gate:
+        b = bucket(n)
+        if b not in self.gates:
+            self.gates[b] = _Gate(self.cfg.window)
+        return self.gates[b]
 
     def _apply_cost_model(self, cm: CostModel) -> None:
         sizes = sorted(cm.recommendation)
@@ -143,10 +181,11 @@ class SpeculationPolicy:
                 self.spec_on = False
             elif not self.spec_on and load <= self.low:
                 self.spec_on = True
+            gate = self.gate(running)
             if not self.spec_on:
                 decision = Decision("plain", None, f"load {load} >= {self.high}, waiting for <= {self.low}")
-            elif self.step < self.paused_until:
-                decision = Decision("plain", None, f"acceptance gate (tau < {self.cfg.min_tau})")
+            elif self.step < gate.paused_until:
+                decision = Decision("plain", None, f"acceptance gate, batch bucket {bucket(running)}")
             else:
                 decision = self._decision(self._kind(running), running, f"load {load}")
         if self.last is None or (decision.mode, decision.tree) != (self.last.mode, self.last.tree):
@@ -155,15 +194,26 @@ class SpeculationPolicy:
         self.last = decision
         return decision
 
-    def observe(self, decision: Decision, tau: float) -> None:
-        """Feed the acceptance of a finished speculative step (tokens per row-step) to the gate."""
-        if decision.mode not in SPECULATIVE or self.cfg.mode != "dynamic":
+    def observe(self, decision: Decision, running: int, tau: float, seconds: float) -> None:
+        """Feed back a finished step: its batch size, tokens per row (tau) and duration."""
+        if self.cfg.mode != "dynamic":
             return
-        self.window.append(tau)
-        if len(self.window) == self.window.maxlen:
-            mean = sum(self.window) / len(self.window)
-            if mean < self.cfg.min_tau:
-                log.info("speculation paused for %d steps: mean tau %.2f < %.2f over %d steps",
-                         self.cfg.retry_after_steps, mean, self.cfg.min_tau, len(self.window))
-                self.paused_until = self.step + self.cfg.retry_after_steps
-                self.window.clear()
+        gate = self.gate(running)
+        spec = decision.mode in SPECULATIVE
+        gate.time("spec" if spec else "plain", seconds)
+        if not spec:
+            return
+        gate.taus.append(tau)
+        if len(gate.taus) < gate.taus.maxlen:
+            return
+        mean = sum(gate.taus) / len(gate.taus)
+        need = max(self.cfg.min_tau, gate.cost_ratio or 0.0)
+        if mean >= need:
+            gate.failures = 0
+            return
+        pause = self.cfg.retry_after_steps * min(2 ** gate.failures, _Gate.MAX_BACKOFF)
+        gate.failures += 1
+        gate.paused_until = self.step + pause
+        gate.taus.clear()
+        log.info("speculation paused for %d steps at batch bucket %d: mean tau %.2f < %.2f over %d steps",
+                 pause, bucket(running), mean, need, gate.taus.maxlen)

@@ -83,6 +83,7 @@ class Scheduler:
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.steps = 0
+        self.tau_sum, self.tau_steps = 0.0, 0
 
     # ---- called from the HTTP side -------------------------------------------------------------------
     def start(self) -> None:
@@ -196,9 +197,11 @@ class Scheduler:
             decision = Decision("plain", None, f"{decision.mode} unavailable")
         stats = self.batch.stats
         hist0, rows0 = list(stats.accept_hist), stats.row_steps
+        n = self.batch.n
         start = time.perf_counter()
         out = self.engine.step(self.batch, proposer)
-        self.metrics.step_seconds.observe(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.metrics.step_seconds.observe(seconds)
         self.steps += 1
         self.metrics.steps.labels(decision.mode).inc()
         spec = decision.mode != "plain"
@@ -206,20 +209,22 @@ class Scheduler:
         self.metrics.spec_on.set(1 if spec else 0)
         for m in ("medusa", "draft", "plain"):
             self.metrics.mode_info.labels(m).set(1 if m == decision.mode else 0)
-        if spec:
-            self._observe_acceptance(decision, proposer, hist0, rows0)
+        tau = self._acceptance(proposer, hist0, rows0) if spec else 1.0
+        self.policy.observe(decision, n, tau, seconds)
         self._deliver(out)
 
-    def _observe_acceptance(self, decision: Decision, proposer: Any, hist0: list[int], rows0: int) -> None:
+    def _acceptance(self, proposer: Any, hist0: list[int], rows0: int) -> float:
+        """Tokens per row of the step just taken (tau); updates the acceptance metrics."""
         hist = self.batch.stats.accept_hist
         delta = [c - (hist0[a] if a < len(hist0) else 0) for a, c in enumerate(hist)]
         rows = max(self.batch.stats.row_steps - rows0, 1)
         accepted = sum(a * c for a, c in enumerate(delta))
         tau = 1 + accepted / rows
-        self.policy.observe(decision, tau)
-        window = self.policy.window
-        self.metrics.accepted.set(sum(window) / len(window) if window else tau)
+        self.tau_sum += tau
+        self.tau_steps += 1
+        self.metrics.accepted.set(self.tau_sum / self.tau_steps)
         self.metrics.acceptance.set(accepted / (rows * max(proposer.tree.depth, 1)))
+        return tau
 
     # ---- results ------------------------------------------------------------------------------------
     def _deliver(self, out: StepOutput) -> None:

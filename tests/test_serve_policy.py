@@ -39,25 +39,52 @@ def test_tree_follows_batch_size():
         ["tree-64", "tree-64", "tree-16", "tree-16", "tree-8", "tree-8"]
 
 
-def test_acceptance_gate_pauses_and_retries():
+def test_acceptance_gate_pauses_and_retries_with_backoff():
     p = policy(window=4, min_tau=1.5, retry_after_steps=10)
     for _ in range(4):
         d = p.decide(1, 0)
         assert d.mode == "medusa"
-        p.observe(d, 1.1)  # poor acceptance
-    paused = modes(p, [1] * 9)
-    assert paused == ["plain"] * 9
-    assert p.decide(1, 0).mode == "medusa"  # retried after the pause
-    for _ in range(8):
+        p.observe(d, 1, 1.1, 0.01)  # poor acceptance
+    assert modes(p, [1] * 9) == ["plain"] * 9
+    for _ in range(4):  # retried after the pause, still poor
         d = p.decide(1, 0)
-        p.observe(d, 2.5)  # good acceptance keeps it on
+        assert d.mode == "medusa"
+        p.observe(d, 1, 1.2, 0.01)
+    # Second failure in a row: the pause doubles.
+    assert modes(p, [1] * 19) == ["plain"] * 19
     assert p.decide(1, 0).mode == "medusa"
+
+
+def test_acceptance_gate_is_per_batch_bucket():
+    p = policy(window=2, min_tau=1.5, retry_after_steps=50)
+    for _ in range(2):
+        p.observe(p.decide(1, 0), 1, 1.0, 0.01)
+    assert p.decide(1, 0).mode == "plain"
+    assert p.decide(2, 0).mode == "medusa"  # another bucket keeps its own record
+    assert p.decide(1, 0).mode == "plain"
+
+
+def test_gate_uses_the_measured_cost_of_a_speculative_step():
+    """tau 2.0 clears min_tau 1.3 but not a speculative step that costs 3x a plain one."""
+    p = policy(window=2, min_tau=1.3, retry_after_steps=50)
+    p.observe(p.decide(4, 0), 4, 2.0, 0.030)
+    p.observe(p.decide(4, 0), 4, 2.0, 0.030)
+    assert p.decide(4, 0).mode == "medusa"  # plain cost not known yet: min_tau decides
+    p.observe(type(p.last)("plain", None, "probe"), 4, 1.0, 0.010)
+    p.observe(p.decide(4, 0), 4, 2.0, 0.030)
+    assert p.decide(4, 0).mode == "plain"
+    # A cheap speculative step with the same tau keeps speculation on.
+    q = policy(window=2, min_tau=1.3, retry_after_steps=50)
+    q.observe(type(q.decide(4, 0))("plain", None, "probe"), 4, 1.0, 0.010)
+    for _ in range(4):
+        q.observe(q.decide(4, 0), 4, 2.0, 0.015)
+    assert q.decide(4, 0).mode == "medusa"
 
 
 def test_fixed_modes_ignore_load_and_acceptance():
     on = policy(mode="medusa", window=1, min_tau=3.0)
     d = on.decide(64, 100)
-    on.observe(d, 1.0)
+    on.observe(d, 64, 1.0, 1.0)
     assert d.mode == "medusa" and on.decide(64, 100).mode == "medusa"
     assert policy(mode="plain").decide(1, 0).mode == "plain"
 

@@ -1,0 +1,223 @@
+"""Loopback load test of `medusa serve` for three speculation policies: always on, always off, dynamic.
+
+Starts one server process per policy on 127.0.0.1 (same model, same settings otherwise), then for each
+concurrency level runs a closed loop of streaming chat requests against each server in turn (the order
+rotates per level, so slow drift of a shared machine does not favour one policy). Reports throughput and
+p50/p95 time per output token (TPOT) and time to first token per policy and level, the steps each mode
+took, and whether dynamic is within 5% of the better fixed policy at every level and strictly better than
+each fixed policy somewhere.
+
+    python benchmarks/serve_load.py --levels 1,2,4,8,16,32 --max-tokens 64 --out serve_load.json
+
+Every loop is bounded: requests per level are fixed, each request and each level have a timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+HOST = "127.0.0.1"
+POLICIES = {"on": "medusa", "off": "plain", "dynamic": "dynamic"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--heads", default="default")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--levels", default="1,2,4,8,16,32", help="concurrent clients per level")
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--min-requests", type=int, default=4, help="at least this many requests per level")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompts", default="mtbench", help="prompt source for medusa.prompts.load_prompts")
+    p.add_argument("--policies", default="on,off,dynamic")
+    p.add_argument("--config", default=None, help="base serve YAML (policy.mode is set per server)")
+    p.add_argument("--cost-model", default=None, help="cost-model JSON for the dynamic policy")
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--level-timeout", type=float, default=900.0)
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    return p.parse_args(argv)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, name: str, mode: str, args: argparse.Namespace, workdir: Path):
+        self.name, self.port = name, free_port()
+        base = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+        policy = dict(base.get("policy") or {}, mode=mode)
+        if args.cost_model and mode == "dynamic":
+            policy["cost_model"] = args.cost_model
+        cfg = {**base, "model": args.model, "heads": args.heads, "dtype": args.dtype, "host": HOST,
+               "port": self.port, "max_batch": args.max_batch, "max_context": args.max_context,
+               "max_queue": 4 * args.max_batch, "queue_timeout_s": args.request_timeout, "policy": policy,
+               "log_level": "warning"}
+        path = workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        self.log = open(workdir / f"{name}.log", "w")
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "medusa.cli", "serve", "--config", str(path)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.url = f"http://{HOST}:{self.port}"
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server {self.name} exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"server {self.name} did not start within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def steps_by_mode(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("medusa_steps_total{"):
+            mode = line.split('mode="')[1].split('"')[0]
+            out[mode] = float(line.split()[-1])
+    return out
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+                      timeout: float) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
+        if r.status_code != 200:
+            return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+    if first is None:
+        return {"error": "no tokens"}
+    return {"ttft": first - start, "tpot": (last - first) / max(tokens - 1, 1), "tokens": tokens}
+
+
+async def run_level(url: str, prompts: list[str], clients: int, requests: int, args: argparse.Namespace) -> dict:
+    todo = list(range(requests))
+    model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    results: list[dict] = []
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while todo:
+            i = todo.pop(0)
+            results.append(await one_request(client, url, model, prompts[i % len(prompts)], args.max_tokens,
+                                             args.request_timeout))
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*(worker(client) for _ in range(clients))), args.level_timeout)
+        wall = time.perf_counter() - start
+    ok = [r for r in results if "error" not in r]
+    for r in results[:1]:
+        if "error" in r:
+            print(f"  first error: {r['error']}", file=sys.stderr)
+    tpot = sorted(r["tpot"] for r in ok)
+    ttft = sorted(r["ttft"] for r in ok)
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")  # noqa: E731
+    return {"clients": clients, "requests": requests, "errors": len(results) - len(ok),
+            "tokens": sum(r["tokens"] for r in ok), "seconds": wall,
+            "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+            "tpot_p50_ms": 1000 * statistics.median(tpot) if tpot else float("nan"),
+            "tpot_p95_ms": 1000 * pct(tpot, 0.95), "ttft_p50_ms": 1000 * statistics.median(ttft) if ttft else float("nan")}
+
+
+def verdict(table: dict[str, dict[int, dict]], levels: list[int]) -> dict:
+    if not all(k in table for k in ("on", "off", "dynamic")):
+        return {}
+    tput = {p: {lv: table[p][lv]["tokens_per_s"] for lv in levels} for p in table}
+    if any(table[p][lv]["errors"] or not table[p][lv]["tokens"] for p in table for lv in levels):
+        return {"valid": False, "why": "some requests failed"}
+    within = {lv: tput["dynamic"][lv] >= 0.95 * max(tput["on"][lv], tput["off"][lv]) for lv in levels}
+    return {"valid": True, "within_5pct_of_best_fixed": within, "all_within_5pct": all(within.values()),
+            "beats_on_somewhere": any(tput["dynamic"][lv] > tput["on"][lv] for lv in levels),
+            "beats_off_somewhere": any(tput["dynamic"][lv] > tput["off"][lv] for lv in levels)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    levels = [int(x) for x in args.levels.split(",")]
+    names = [p.strip() for p in args.policies.split(",")]
+    from medusa.prompts import load_prompts
+
+    prompts = load_prompts(args.prompts)
+    workdir = Path(tempfile.mkdtemp(prefix="serve_load-"))
+    servers = {n: ServerProcess(n, POLICIES[n], args, workdir) for n in names}
+    table: dict[str, dict[int, dict]] = {n: {} for n in names}
+    try:
+        for s in servers.values():
+            s.wait_ready(args.startup_timeout)
+            asyncio.run(run_level(s.url, prompts[-1:], 1, 1, args))  # warm-up
+        for i, clients in enumerate(levels):
+            requests = max(args.min_requests, clients * args.requests_per_client)
+            order = names[i % len(names):] + names[: i % len(names)]
+            for n in order:
+                before = steps_by_mode(servers[n].url)
+                row = asyncio.run(run_level(servers[n].url, prompts, clients, requests, args))
+                after = steps_by_mode(servers[n].url)
+                row["steps"] = {m: after[m] - before.get(m, 0) for m in after if after[m] - before.get(m, 0)}
+                table[n][clients] = row
+                print(f"clients={clients:3d} {n:8s} {row['tokens_per_s']:8.1f} tok/s  "
+                      f"TPOT p50 {row['tpot_p50_ms']:7.1f} ms p95 {row['tpot_p95_ms']:7.1f} ms  "
+                      f"TTFT p50 {row['ttft_p50_ms']:7.1f} ms  errors {row['errors']}  steps {row['steps']}",
+                      flush=True)
+    finally:
+        for s in servers.values():
+            s.stop()
+    result = {"model": args.model, "heads": args.heads, "dtype": args.dtype, "max_tokens": args.max_tokens,
+              "levels": levels, "results": table, "verdict": verdict(table, levels)}
+    print(json.dumps(result["verdict"], indent=1))
+    if args.out:
+        tmp = Path(args.out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
