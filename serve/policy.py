@@ -7,12 +7,13 @@ extra tree tokens cost real time, and plain decoding wins. Two signals decide:
 - load (running rows + queued requests) against high/low watermarks, with hysteresis so the mode does not
   flap when load hovers at one level; defaults may come from the evaluator's cost model;
 - an acceptance gate per batch-size bucket (1, 2, 3-4, 5-8, ...): speculation pays when the tokens per
-  row-step it yields (tau) exceed the cost of its step relative to a plain one. The policy times every step
-  and keeps, per bucket, a moving average of speculative and plain step time; when the rolling mean tau over
-  the last `window` speculative steps falls below max(min_tau, t_spec / t_plain), speculation pauses in that
-  bucket for `retry_after_steps` steps (doubling after each consecutive failure, up to 16x) and is then
-  tried again. So a poorly predicted workload, or a batch size past the crossover the watermarks did not
-  catch, falls back to plain decoding by measurement rather than by guess.
+  row-step it yields (tau) exceed the cost of its step relative to a plain one. The policy times every
+  step and keeps, per bucket, a moving average of speculative and plain step time; when the rolling mean
+  tau over the last `window` (at least 4) speculative steps falls below max(min_tau, t_spec / t_plain),
+  speculation pauses in that bucket for `retry_after_steps` steps (doubling after each consecutive
+  failure, up to 16x) and is then tried again; the pause holds for larger buckets too. A new bucket
+  starts with one plain step to measure the cost to beat. So a poorly predicted workload, or a batch size
+  past the crossover the watermarks did not catch, falls back to plain decoding by measurement.
 
 Cost-model JSON read here (written by `medusa eval`; other keys are ignored):
     {"recommendation": {"1": "medusa", "2": "medusa", "8": "plain", ...},
@@ -122,6 +123,7 @@ class _Gate:
 
 
 class SpeculationPolicy:
+    MIN_EVIDENCE = 4  # speculative steps before the gate may pause (a full window to clear a failure)
     def __init__(self, cfg: PolicyConfig, has_medusa: bool, has_draft: bool):
         self.cfg = cfg
         self.has = {"medusa": has_medusa, "draft": has_draft}
@@ -184,8 +186,11 @@ class SpeculationPolicy:
             gate = self.gate(running)
             if not self.spec_on:
                 decision = Decision("plain", None, f"load {load} >= {self.high}, waiting for <= {self.low}")
-            elif self.step < gate.paused_until:
+            elif self._paused(running):
                 decision = Decision("plain", None, f"acceptance gate, batch bucket {bucket(running)}")
+            elif "plain" not in gate.seconds:
+                # One plain step per new bucket measures the cost a speculative step has to beat.
+                decision = Decision("plain", None, f"probing plain step cost at bucket {bucket(running)}")
             else:
                 decision = self._decision(self._kind(running), running, f"load {load}")
         if self.last is None or (decision.mode, decision.tree) != (self.last.mode, self.last.tree):
@@ -193,6 +198,12 @@ class SpeculationPolicy:
                      f" {decision.tree}" if decision.tree else "", decision.reason)
         self.last = decision
         return decision
+
+    def _paused(self, running: int) -> bool:
+        """Paused here or at a smaller bucket: a larger batch makes speculation relatively dearer, with
+        about the same acceptance, so a failure at a small batch size holds for the larger ones too."""
+        b = bucket(running)
+        return any(g.paused_until > self.step for size, g in self.gates.items() if size <= b)
 
     def observe(self, decision: Decision, running: int, tau: float, seconds: float) -> None:
         """Feed back a finished step: its batch size, tokens per row (tau) and duration."""
@@ -204,12 +215,13 @@ class SpeculationPolicy:
         if not spec:
             return
         gate.taus.append(tau)
-        if len(gate.taus) < gate.taus.maxlen:
+        if len(gate.taus) < min(self.MIN_EVIDENCE, gate.taus.maxlen):
             return
         mean = sum(gate.taus) / len(gate.taus)
         need = max(self.cfg.min_tau, gate.cost_ratio or 0.0)
         if mean >= need:
-            gate.failures = 0
+            if len(gate.taus) == gate.taus.maxlen:
+                gate.failures = 0
             return
         pause = self.cfg.retry_after_steps * min(2 ** gate.failures, _Gate.MAX_BACKOFF)
         gate.failures += 1

@@ -8,11 +8,18 @@ import pytest
 
 from medusa.errors import MedusaError
 from serve.config import PolicyConfig, load_config
-from serve.policy import SpeculationPolicy
+from serve.policy import Decision, SpeculationPolicy
+
+PLAIN = Decision("plain", None, "test")
 
 
-def policy(has_medusa: bool = True, has_draft: bool = False, **kw) -> SpeculationPolicy:
-    return SpeculationPolicy(PolicyConfig(**kw), has_medusa, has_draft)
+def policy(has_medusa: bool = True, has_draft: bool = False, warm: bool = True, **kw) -> SpeculationPolicy:
+    """A policy; `warm` feeds it one plain step per batch bucket, as if it had already probed them."""
+    p = SpeculationPolicy(PolicyConfig(**kw), has_medusa, has_draft)
+    if warm:
+        for n in (1, 2, 4, 8, 16, 32, 64, 128):
+            p.observe(PLAIN, n, 1.0, 0.01)
+    return p
 
 
 def modes(p: SpeculationPolicy, loads: list[int]) -> list[str]:
@@ -56,27 +63,31 @@ def test_acceptance_gate_pauses_and_retries_with_backoff():
 
 
 def test_acceptance_gate_is_per_batch_bucket():
-    p = policy(window=2, min_tau=1.5, retry_after_steps=50)
-    for _ in range(2):
-        p.observe(p.decide(1, 0), 1, 1.0, 0.01)
-    assert p.decide(1, 0).mode == "plain"
-    assert p.decide(2, 0).mode == "medusa"  # another bucket keeps its own record
-    assert p.decide(1, 0).mode == "plain"
+    p = policy(window=4, min_tau=1.5, retry_after_steps=50)
+    for _ in range(4):
+        p.observe(p.decide(2, 0), 2, 1.0, 0.01)
+    assert p.decide(2, 0).mode == "plain"
+    assert p.decide(1, 0).mode == "medusa"  # a smaller bucket keeps its own record
+    assert p.decide(4, 0).mode == "plain"  # a larger one inherits the failure
 
 
 def test_gate_uses_the_measured_cost_of_a_speculative_step():
     """tau 2.0 clears min_tau 1.3 but not a speculative step that costs 3x a plain one."""
     p = policy(window=2, min_tau=1.3, retry_after_steps=50)
+    p = policy(window=4, min_tau=1.3, retry_after_steps=50, warm=False)
+    first = p.decide(4, 0)
+    assert first.mode == "plain" and "probing" in first.reason  # a new bucket measures plain cost first
+    p.observe(first, 4, 1.0, 0.010)
+    for _ in range(3):
+        d = p.decide(4, 0)
+        assert d.mode == "medusa"
+        p.observe(d, 4, 2.0, 0.030)
     p.observe(p.decide(4, 0), 4, 2.0, 0.030)
-    p.observe(p.decide(4, 0), 4, 2.0, 0.030)
-    assert p.decide(4, 0).mode == "medusa"  # plain cost not known yet: min_tau decides
-    p.observe(type(p.last)("plain", None, "probe"), 4, 1.0, 0.010)
-    p.observe(p.decide(4, 0), 4, 2.0, 0.030)
-    assert p.decide(4, 0).mode == "plain"
+    assert p.decide(4, 0).mode == "plain" and p.decide(8, 0).mode == "plain"  # larger buckets too
+    assert p.decide(2, 0).mode == "plain"  # bucket 2 not probed yet
     # A cheap speculative step with the same tau keeps speculation on.
-    q = policy(window=2, min_tau=1.3, retry_after_steps=50)
-    q.observe(type(q.decide(4, 0))("plain", None, "probe"), 4, 1.0, 0.010)
-    for _ in range(4):
+    q = policy(window=4, min_tau=1.3, retry_after_steps=50)
+    for _ in range(8):
         q.observe(q.decide(4, 0), 4, 2.0, 0.015)
     assert q.decide(4, 0).mode == "medusa"
 
