@@ -119,15 +119,20 @@ def example(prompt_ids: list[int], response_ids: list[int], max_tokens: int) -> 
 
 
 def head_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[B, T] -> [B, T, num_heads] label of head k at position t (token t+k+2), -100 where not trained."""
+    """[B, T] -> [B, T, num_heads] label of head k at position t (token t+k+2), -100 where not trained:
+    the target is not an answer token, or t lies before the last prompt token."""
     b, t = input_ids.shape
+    mask = loss_mask.bool()
+    # Heads only ever run on the last committed position, which is the last prompt token or later.
+    source = mask.clone()
+    source[:, :-1] |= mask[:, 1:]
     labels = torch.full((b, t, num_heads), -100, dtype=torch.long, device=input_ids.device)
     for k in range(num_heads):
         shift = k + 2
         if shift >= t:
             break
-        target = input_ids[:, shift:]
-        labels[:, : t - shift, k] = torch.where(loss_mask[:, shift:].bool(), target, -100)
+        ok = mask[:, shift:] & source[:, : t - shift]
+        labels[:, : t - shift, k] = torch.where(ok, input_ids[:, shift:], -100)
     return labels
 
 

@@ -304,8 +304,17 @@ def train_medusa1(run: Run, train_ex: list[dict], eval_only: bool) -> dict:
         logger.log(step, agg, stepper.lr(), int(norm[0]), time.perf_counter() - start)
         if step % cfg.checkpoint_every == 0 or step == total:
             save(run, stepper, step)
+        _fault_injection(step)
     logger.close()
     return {"step": step, "total": total, "history": run.history}
+
+
+def _fault_injection(step: int) -> None:
+    """MEDUSA_TRAIN_KILL_AFTER_STEP=N: SIGKILL this process after step N (how the resume test crashes)."""
+    if os.environ.get("MEDUSA_TRAIN_KILL_AFTER_STEP") == str(step):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _teacher_from_table(table: PositionTable, idx: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -463,7 +472,7 @@ def evaluate(run: Run, eval_ex: list[dict]) -> dict:
 
 def finish(run: Run, eval_ex: list[dict], state: dict) -> dict:
     cfg, d = run.cfg, run.d
-    result = {"rank": d.rank, "heads_dir": str(run.run_dir / "heads")}
+    result = {"rank": d.rank, "heads_dir": str(run.run_dir / "heads"), "step": state.get("step")}
     if not d.main:
         d.barrier()
         return result

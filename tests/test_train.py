@@ -1,0 +1,190 @@
+"""Training pipeline on tiny random models: config validation, labels, hidden states, training, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from medusa.errors import MedusaError
+from train_helpers import fake_distilled, save_tiny_model, write_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    model = save_tiny_model(root / "model")
+    data = fake_distilled(root / "data", model)
+    return root, model, data
+
+
+# ---- configuration ----------------------------------------------------------------------------------
+def test_config_rejects_unknown_and_bad_keys(tmp_path):
+    from train.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lrr: 0.1\n")
+    with pytest.raises(MedusaError, match=r"optim\.lrr: unknown key"):
+        load_config(path)
+    path.write_text("loss:\n  decay: 1.5\n")
+    with pytest.raises(MedusaError, match=r"loss\.decay"):
+        load_config(path)
+    path.write_text("data:\n  sources: [mtbench]\n")
+    with pytest.raises(MedusaError, match="evaluation set"):
+        load_config(path)
+    path.write_text("batch_size: 8\n")
+    with pytest.raises(MedusaError, match=r"--set: 'oops'"):
+        load_config(path, ["oops"])
+    cfg = load_config(path, ["loss.decay=0.5", "heads.num_heads=3"])
+    assert cfg.head_weights() == [1.0, 0.5, 0.25]
+
+
+def test_shipped_configs_validate():
+    from train.config import load_config
+
+    for path in sorted((REPO / "configs" / "train").glob("*.yaml")):
+        load_config(path)
+
+
+# ---- labels and hidden states -----------------------------------------------------------------------
+def test_labels_only_on_answer_tokens_and_table_agrees():
+    from train.data import example, head_labels, pad_batch
+    from train.hidden import build_table
+
+    ex = [example([5, 6, 7], [10, 11, 12, 13], 64), example([8, 9], [20, 21, 22], 64)]
+    batch = pad_batch(ex)
+    labels = head_labels(batch["input_ids"], batch["loss_mask"], 2)
+    # Position 2 (last prompt token) -> head 0 predicts index 4 (token 11), head 1 index 5 (token 12).
+    assert labels[0, 2].tolist() == [11, 12]
+    assert labels[0, 1].tolist() == [-100, -100]  # heads never run before the last prompt token
+    assert labels[1, 3].tolist() == [-100, -100]  # past the end, and padding
+    table = build_table(ex, lambda b: torch.randn(*b["input_ids"].shape, 4))
+    idx = table.trainable()
+    got = table.labels(idx, 2)
+    want = labels[labels[..., 0] >= 0]
+    assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, want.tolist()))
+
+
+def test_hf_last_hidden_state_is_what_the_engine_sees():
+    from conftest import tiny_model
+    from medusa.transformer import Transformer
+    from train.data import pad_batch
+    from train.hidden import hf_hidden_fn
+
+    model = tiny_model()
+    ours = Transformer(model)
+    batch = pad_batch([{"input_ids": [3, 4, 5, 6, 7], "loss_mask": [0] * 5}])
+    cache = ours.new_cache(1, 8)
+    expect = ours(batch["input_ids"], torch.arange(5)[None], cache, slice(0, 1),
+                  torch.ones(5, 5, dtype=torch.bool).tril())
+    torch.testing.assert_close(hf_hidden_fn(model)(batch), expect, rtol=0, atol=1e-5)
+
+
+# ---- training ---------------------------------------------------------------------------------------
+def test_train_cached_writes_loadable_heads_eval_and_trees(tiny, tmp_path):
+    from medusa.heads import MedusaHeads
+    from medusa.tree import load_tree
+    from train.config import load_config
+    from train.trainer import run_training
+
+    root, model, data = tiny
+    cfg = load_config(write_config(tmp_path / "c.yaml", model, data, tmp_path / "run", epochs=4,
+                                   write_trees=str(tmp_path / "trees")))
+    result = run_training(cfg)
+    losses = [h["loss"] for h in result["history"]]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5  # it learns
+    heads = MedusaHeads.load(tmp_path / "run" / "heads")
+    assert heads.config.num_heads == 3
+    report = json.loads((tmp_path / "run" / "heads" / "eval.json").read_text())
+    assert len(report["topk_accuracy"]) == 3 and len(report["topk_accuracy"][0]) == 10
+    assert all(0 <= a <= 1 for row in report["topk_accuracy"] for a in row)
+    tree = load_tree(str(tmp_path / "trees" / "tree-8.yaml"))
+    assert len(tree.nodes) == 8
+    ckpts = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert ckpts and (ckpts[-1] / "eval.json").exists()
+
+
+def test_train_plain_path_and_kl_loss(tiny, tmp_path):
+    from train.config import load_config
+    from train.trainer import run_training
+
+    root, model, data = tiny
+    cfg = load_config(write_config(tmp_path / "c.yaml", model, data, tmp_path / "run", cache_hidden=False,
+                                   batch_size=4, epochs=1, loss__kind="kl"))
+    result = run_training(cfg)
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in result["history"])
+    assert (tmp_path / "run" / "heads" / "heads.safetensors").exists()
+
+
+def _train_cli(config: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO / "tests"), **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "medusa.cli", "train", "--config", str(config)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path):
+    from train.config import load_config
+    from train.trainer import run_training
+
+    root, model, data = tiny
+    straight = run_training(load_config(write_config(tmp_path / "a.yaml", model, data, tmp_path / "a")))
+    config = write_config(tmp_path / "b.yaml", model, data, tmp_path / "b")
+    # The process SIGKILLs itself after step 7; the last checkpoint is step 5, steps 6-7 are redone.
+    killed = _train_cli(config, {"MEDUSA_TRAIN_KILL_AFTER_STEP": "7"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert [p.name for p in (tmp_path / "b" / "checkpoints").glob("step-*")] == ["step-00000005"]
+    # A checkpoint half-written when the kill came is never picked up.
+    (tmp_path / "b" / "checkpoints" / ".step-00000010.partial").mkdir()
+    resumed = _train_cli(config)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stderr
+    state = torch.load(next((tmp_path / "b" / "checkpoints").glob(f"step-{straight['step']:08d}")) /
+                       "trainer_state.pt", weights_only=False)
+    assert state["history"][-1]["loss"] == pytest.approx(straight["history"][-1]["loss"], rel=1e-5, abs=1e-6)
+    assert len(state["history"]) == straight["step"]
+
+
+def test_checkpoint_from_other_head_config_is_refused(tiny, tmp_path):
+    from train.config import load_config
+    from train.trainer import run_training
+
+    root, model, data = tiny
+    run_training(load_config(write_config(tmp_path / "a.yaml", model, data, tmp_path / "run", max_steps=5)))
+    other = load_config(write_config(tmp_path / "b.yaml", model, data, tmp_path / "run", max_steps=6,
+                                     heads__num_heads=2))
+    with pytest.raises(MedusaError, match="was made for heads"):
+        run_training(other)
+    other_base = save_tiny_model(tmp_path / "model2", seed=5)
+    cfg = load_config(write_config(tmp_path / "c.yaml", other_base, data, tmp_path / "run", max_steps=6))
+    with pytest.raises(MedusaError, match="was made for base"):
+        run_training(cfg)
+
+
+def test_distill_is_resumable(tiny, tmp_path):
+    from train.config import load_config
+    from train.distill import load_distilled, run_distill
+
+    root, model, _ = tiny
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"t{5 + i} t{9 + i} t{20 + i}" for i in range(5)) + "\n")
+    cfg = load_config(write_config(tmp_path / "c.yaml", model, tmp_path / "data", tmp_path / "run",
+                                   data__sources=[str(prompts)], data__shard_size=2, data__max_new_tokens=6,
+                                   data__distill_batch_size=2))
+    out = run_distill(cfg, show_progress=False)
+    ds = load_distilled(out)
+    assert len(ds) == 5 and all(len(r) == 6 for r in ds["response_ids"])
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")}
+    import shutil
+
+    shutil.rmtree(out / "shard-00001")
+    run_distill(cfg, show_progress=False)
+    again = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")}
+    assert again["shard-00000"] == stamps["shard-00000"] and again["shard-00002"] == stamps["shard-00002"]
+    assert load_distilled(out)["response_ids"] == ds["response_ids"]
