@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from medusa.engine import Batch, Engine, StepOutput
+from medusa.errors import MedusaError
 from medusa.sampling import GREEDY, SamplingParams
 
 from .metrics import Metrics
@@ -181,10 +182,17 @@ class Scheduler:
         limits = [r.max_tokens for r in reqs]
         for r in reqs:
             self.running[r.id] = r
-        if self.sampling_supported:
-            out = self.engine.add(self.batch, ids, prompts, limits, sampling=[r.sampling for r in reqs])
-        else:
-            out = self.engine.add(self.batch, ids, prompts, limits)
+        try:
+            if self.sampling_supported:
+                out = self.engine.add(self.batch, ids, prompts, limits, sampling=[r.sampling for r in reqs])
+            else:
+                out = self.engine.add(self.batch, ids, prompts, limits)
+        except MedusaError as exc:
+            # The engine checks its input before touching the batch: only these requests fail.
+            for r in reqs:
+                del self.running[r.id]
+                self._error(r, 400, str(exc), "invalid_request_error", None)
+            return
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         self._deliver(out)
 
@@ -211,6 +219,8 @@ class Scheduler:
             self.metrics.mode_info.labels(m).set(1 if m == decision.mode else 0)
         tau = self._acceptance(proposer, hist0, rows0) if spec else 1.0
         self.policy.observe(decision, n, tau, seconds)
+        log.debug("step %d: %s%s rows=%d tau=%.2f %.1f ms", self.steps, decision.mode,
+                  f" {decision.tree}" if decision.tree else "", n, tau, 1000 * seconds)
         self._deliver(out)
 
     def _acceptance(self, proposer: Any, hist0: list[int], rows0: int) -> float:

@@ -244,6 +244,7 @@ def test_overload_gets_429_and_disconnect_frees_the_slot(rt):
             r = http.post(url + "/v1/completions", json={"model": "default", "prompt": "hi", "max_tokens": 2})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert _metric(metrics, "medusa_requests_running") == 0
         assert _metric(metrics, 'medusa_requests_rejected_total{cause="queue_full"}') == 1
         assert _metric(metrics, 'medusa_requests_total{reason="cancelled"}') == 1
 
@@ -308,3 +309,26 @@ def test_cli_bad_config_is_one_line_error(tmp_path, capsys):
     assert main(["serve", "--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "policy.bogus" in err and "Traceback" not in err
+
+
+def test_engine_failure_fails_the_batch_not_the_server(rt):
+    app = create_app(ServeConfig(dtype="fp32", max_batch=4, max_context=256, policy={"mode": "medusa",
+                                                                                     "trees": {1: "tree-8"}}), rt)
+    server = app.state.server
+    good = server.medusa["tree-8"]
+
+    class Broken:
+        name, tree = "broken", good.tree
+
+        def propose(self, batch):
+            raise RuntimeError("proposer exploded")
+
+    with running_server(app) as url:
+        server.medusa["tree-8"] = Broken()
+        r = httpx.post(url + "/v1/completions", json={"model": "default", "prompt": "hi", "max_tokens": 5},
+                       timeout=30)
+        assert r.status_code == 500 and "proposer exploded" in r.json()["error"]["message"]
+        server.medusa["tree-8"] = good
+        r = httpx.post(url + "/v1/completions", json={"model": "default", "prompt": "hi", "max_tokens": 5},
+                       timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
