@@ -15,7 +15,8 @@ extra tree tokens cost real time, and plain decoding wins. Two signals decide:
   starts with one plain step to measure the cost to beat. So a poorly predicted workload, or a batch size
   past the crossover the watermarks did not catch, falls back to plain decoding by measurement.
 
-Cost-model JSON read here (written by `medusa eval`; other keys are ignored):
+Cost-model JSON read here (written by `medusa eval`, alone or as the "cost_model" key of its report.json;
+other keys are ignored):
     {"recommendation": {"1": "medusa", "2": "medusa", "8": "plain", ...},
      "best_tree": {"1": "tree-32", "4": "tree-16", ...}}      # optional; values: tree names/paths or sizes
 Speculation switches off at the smallest batch size recommended "plain" (high watermark) and back on at the
@@ -60,6 +61,8 @@ class CostModel:
             data = json.loads(p.read_text())
         except json.JSONDecodeError as exc:
             raise MedusaError(f"policy.cost_model: {path} is not valid JSON: {exc}") from None
+        if isinstance(data, dict) and "recommendation" not in data and isinstance(data.get("cost_model"), dict):
+            data = data["cost_model"]  # a whole `medusa eval` report.json
         rec = data.get("recommendation") if isinstance(data, dict) else None
         if not isinstance(rec, dict) or not rec:
             raise MedusaError(f"policy.cost_model: {path} has no 'recommendation' mapping "

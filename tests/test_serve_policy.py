@@ -121,6 +121,14 @@ def test_cost_model_sets_watermarks_kinds_and_trees(tmp_path):
     assert policy(cost_model=str(f)).decide(4, 0).mode == "medusa"
 
 
+def test_cost_model_inside_an_eval_report(tmp_path):
+    f = tmp_path / "report.json"
+    f.write_text(json.dumps({"results": [], "cost_model": {"recommendation": {"1": "medusa", "4": "plain"},
+                                                           "best_tree": {"1": "tree-16"}}}))
+    p = policy(cost_model=str(f))
+    assert (p.high, p.low, p.decide(1, 0).tree) == (4, 1, "tree-16")
+
+
 def test_cost_model_that_never_speculates(tmp_path):
     f = tmp_path / "cost.json"
     f.write_text(json.dumps({"recommendation": {"1": "plain", "8": "plain"}}))
