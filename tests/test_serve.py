@@ -332,3 +332,24 @@ def test_engine_failure_fails_the_batch_not_the_server(rt):
         r = httpx.post(url + "/v1/completions", json={"model": "default", "prompt": "hi", "max_tokens": 5},
                        timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_prefill_budget_spreads_admission_over_steps(rt):
+    """Waiting prompts are prefilled a budget's worth per step boundary, FIFO; one long prompt still goes."""
+    server = create_app(ServeConfig(dtype="fp32", max_batch=8, max_context=256, prefill_tokens_per_step=64,
+                                    policy={"mode": "plain"}), rt).state.server
+    sched = server.scheduler
+    sched.batch = rt.engine.new_batch(8, sched.capacity, 256)
+    from serve.scheduler import Request
+
+    lengths = [20, 20, 20, 5, 100, 10]
+    for n in lengths:
+        sched.submit(Request(list(range(1, n + 1)), 4, lambda ev: None))
+    rounds = []
+    while sched.queue:
+        taken = sched._take_admissible()
+        rounds.append([len(r.prompt) for r in taken])
+        sched._prefill(taken)
+    # Padded cost = rows x longest prompt <= 64, except a single over-long prompt.
+    assert rounds == [[20, 20, 20], [5], [100], [10]]
+    assert sched.batch.n == len(lengths)
