@@ -156,7 +156,8 @@ class Scheduler:
             else:
                 kept.append(req)
         self.queue = kept
-        free = self.batch.free - sum(1 for r in self.running.values() if r.cancelled)
+        # Cancelled rows are dropped before this prefill, so their slots count as free.
+        free = self.batch.free + sum(1 for r in self.running.values() if r.cancelled)
         chosen: list[Request] = []
         longest = 0
         while self.queue and len(chosen) < max(free, 0):
