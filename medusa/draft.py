@@ -24,7 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import MedusaError
+from . import transformer as _transformer
 from .transformer import KVCache, Transformer
+
+# The engine's CPU weight packing when available (a plain linear layer otherwise).
+_packed = getattr(_transformer, "_packed", lambda linear: linear)
 from .tree import chain
 
 if TYPE_CHECKING:
@@ -59,6 +63,14 @@ class DraftProposer:
         self.draft = draft
         self.k = k
         self.tree = chain(k)
+        # A draft may score only a subset of the vocabulary (see `vocab_subset_head`): its projection is
+        # the costliest part of a small draft over a large vocabulary.
+        self.head = getattr(draft, "draft_head", None) or draft.lm_head
+        self.vocab = getattr(draft, "draft_vocab", None)
+
+    def _next(self, hidden: torch.Tensor) -> torch.Tensor:
+        best = self.head(hidden).argmax(-1)
+        return self.vocab[best] if self.vocab is not None else best
 
     def _state(self, batch: "Batch") -> DraftState:
         state = batch.aux.get(AUX_KEY)
@@ -87,7 +99,7 @@ class DraftProposer:
         cache.lens[rows] = _valid_prefix(state.tokens[rows, :width], ctx, torch.minimum(cache.lens[rows], ctx_len - 1))
         last = self._catch_up(cache, state, rows, ctx, ctx_len)
         out = torch.empty(n, self.k, dtype=torch.long, device=dev)
-        token = self.draft.lm_head(last).argmax(-1)
+        token = self._next(last)
         out[:, 0] = token
         one = torch.ones(1, 1, dtype=torch.bool, device=dev)
         for i in range(1, self.k):
@@ -95,7 +107,7 @@ class DraftProposer:
             state.tokens[rows].scatter_(1, lens[:, None], token[:, None])
             hidden = self.draft(token[:, None], lens[:, None], cache, rows, one)
             cache.lens[rows] += 1
-            token = self.draft.lm_head(hidden[:, 0]).argmax(-1)
+            token = self._next(hidden[:, 0])
             out[:, i] = token
         return out.to(batch.root.device)
 
@@ -171,8 +183,12 @@ def own_state(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
             if not k.startswith(("model.embed_tokens.", "lm_head."))}
 
 
-def save_truncated(draft: torch.nn.Module, directory: str | Path, meta: dict) -> Path:
-    """Write the draft's own layers (bf16) and a small JSON; atomic per file."""
+VOCAB_KEY = "draft_vocab"
+
+
+def save_truncated(draft: torch.nn.Module, directory: str | Path, meta: dict,
+                   vocab: torch.Tensor | None = None) -> Path:
+    """Write the draft's own layers (bf16), its reduced vocabulary if any, and a small JSON; atomic."""
     from safetensors.torch import save_file
 
     from .heads import _atomic
@@ -180,7 +196,10 @@ def save_truncated(draft: torch.nn.Module, directory: str | Path, meta: dict) ->
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous().clone() for k, v in own_state(draft).items()}
-    info = {"kind": "truncated", "num_layers": len(draft.model.layers), **meta}
+    if vocab is not None:
+        tensors[VOCAB_KEY] = vocab.to("cpu", torch.long).contiguous()
+    info = {"kind": "truncated", "num_layers": len(draft.model.layers),
+            "vocab_subset": None if vocab is None else len(vocab), **meta}
     _atomic(directory / DRAFT_FILES[0], lambda p: save_file(tensors, str(p)))
     _atomic(directory / DRAFT_FILES[1], lambda p: Path(p).write_text(json.dumps(info, indent=2) + "\n"))
     for name in DRAFT_FILES:
@@ -192,8 +211,23 @@ SHIPPED_DRAFT = Path(__file__).resolve().parent / "assets" / "draft"
 
 
 def load_draft(spec: str, target: torch.nn.Module) -> Transformer:
-    """A draft Transformer for `target` (see `load_draft_hf` for the accepted specs)."""
-    return Transformer(load_draft_hf(spec, target))
+    """A draft Transformer for `target` (see `load_draft_hf` for the accepted specs), with its reduced
+    vocabulary head attached when it was trained with one."""
+    hf = load_draft_hf(spec, target)
+    model = Transformer(hf)
+    vocab = getattr(hf, "draft_vocab", None)
+    if vocab is not None:
+        model.draft_vocab = vocab.to(model.device)
+        model.draft_head = _packed(vocab_subset_head(target, vocab))
+    return model
+
+
+def vocab_subset_head(target: torch.nn.Module, vocab: torch.Tensor) -> torch.nn.Linear:
+    """The target's output projection restricted to the token ids in `vocab` (row i scores vocab[i])."""
+    weight = target.get_output_embeddings().weight.detach()
+    head = torch.nn.Linear(weight.shape[1], len(vocab), bias=False, device=weight.device, dtype=weight.dtype)
+    head.weight.data.copy_(weight[vocab.to(weight.device)])
+    return head.requires_grad_(False)
 
 
 def load_draft_hf(spec: str, target: torch.nn.Module) -> torch.nn.Module:
@@ -219,12 +253,18 @@ def load_draft_hf(spec: str, target: torch.nn.Module) -> torch.nn.Module:
                               f"target has {target.config.hidden_size}")
         draft = truncated_model(target, int(info["num_layers"]))
         state = load_file(str(directory / DRAFT_FILES[0]))
+        vocab = state.pop(VOCAB_KEY, None)
         missing, unexpected = draft.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.startswith(("model.embed_tokens.", "lm_head."))]
         if missing or unexpected:
             raise MedusaError(f"--draft: {directory} does not match the target (missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]})")
-        return draft.to(target.dtype)
+        draft = draft.to(target.dtype)
+        if vocab is not None:
+            if int(vocab.max()) >= target.config.vocab_size:
+                raise MedusaError(f"--draft: {directory} scores token ids beyond the target's vocabulary")
+            draft.draft_vocab = vocab.long()
+        return draft
     if spec == "default":
         raise MedusaError("--draft default: no shipped draft model; build one with `medusa train-draft` "
                           "or pass --draft layers:N")

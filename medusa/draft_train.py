@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .draft import SHIPPED_DRAFT, save_truncated, truncated_model
+from .draft import SHIPPED_DRAFT, save_truncated, truncated_model, vocab_subset_head
 from .errors import MedusaError
 
 
@@ -46,7 +46,7 @@ def load_pairs(path: str) -> list[tuple[list[int], list[int]]]:
     return list(zip(ds["prompt_ids"], ds["response_ids"]))
 
 
-def distil_here(rt, count: int, max_new: int, batch_size: int = 16, progress: bool = True):
+def distil_here(rt, count: int, max_new: int, batch_size: int = 32, progress: bool = True):
     """Greedy answers of the target to `count` ShareGPT prompts (never MT-bench: the evaluation set)."""
     from tqdm import tqdm
 
@@ -89,7 +89,7 @@ def collate(batch, pad: int):
 
 def train_draft(model: str = "default", layers: int = 4, data: str | None = None, distill_prompts: int = 128,
                 steps: int = 300, batch_size: int = 8, seq_len: int = 256, lr: float = 3e-4,
-                out: str | None = None, progress: bool = True, seed: int = 0) -> Path:
+                out: str | None = None, progress: bool = True, seed: int = 0, vocab: int = 0) -> Path:
     from tqdm import tqdm
 
     from .runtime import Runtime
@@ -110,6 +110,12 @@ def train_draft(model: str = "default", layers: int = 4, data: str | None = None
     held, train = examples[:n_eval], examples[n_eval:]
     target = rt.hf_model.float()
     draft = truncated_model(target, layers)
+    subset = choose_vocab(pairs, target.config.vocab_size, vocab, rt.engine.eos.tolist()) if vocab else None
+    head = vocab_subset_head(target, subset) if subset is not None else target.get_output_embeddings()
+    lut = None
+    if subset is not None:  # full token id -> row of the reduced head (-100: not scored, ignored)
+        lut = torch.full((target.config.vocab_size,), -100, dtype=torch.long)
+        lut[subset] = torch.arange(len(subset))
     trainable = [p for n, p in draft.named_parameters() if not n.startswith(("model.embed_tokens", "lm_head"))]
     for p in trainable:
         p.requires_grad_(True)
@@ -119,14 +125,13 @@ def train_draft(model: str = "default", layers: int = 4, data: str | None = None
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(warm, 1)) * 0.5 * (
         1 + math.cos(math.pi * min(s, steps) / steps)))
     pad = rt.tokenizer.pad_token_id or 0
-    before = agreement(draft, held, pad)
+    before = agreement(draft, head, lut, held, pad)
     rng = random.Random(seed + 1)
     bar = tqdm(range(steps), desc="train-draft", disable=not progress)
     loss_val = float("nan")
     for _ in bar:
         x, y = collate(rng.sample(train, min(batch_size, len(train))), pad)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=x.device.type == "cpu"):
-            logits = draft(x).logits
+        logits, y = _logits(draft, head, lut, x, y)
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -136,23 +141,54 @@ def train_draft(model: str = "default", layers: int = 4, data: str | None = None
         loss_val = loss.item()
         bar.set_postfix(loss=f"{loss_val:.3f}")
     draft.eval().requires_grad_(False)
-    after = agreement(draft, held, pad)
+    after = agreement(draft, head, lut, held, pad)
     meta = {"base_model": getattr(rt.hf_model, "name_or_path", model), "hidden_size": target.config.hidden_size,
             "data": source, "examples": len(train), "steps": steps, "batch_size": batch_size, "seq_len": seq_len,
-            "lr": lr, "final_loss": loss_val, "heldout_top1_before": before, "heldout_top1_after": after}
-    where = save_truncated(draft, out or SHIPPED_DRAFT, meta)
+            "lr": lr, "final_loss": loss_val, "vocab_coverage": coverage(pairs, subset), "heldout_top1_before": before, "heldout_top1_after": after}
+    where = save_truncated(draft, out or SHIPPED_DRAFT, meta, subset)
     print(f"held-out next-token agreement with the target: {before:.3f} -> {after:.3f}")
     return where
 
 
+def _logits(draft, head, lut, x, y):
+    """Draft logits over its (possibly reduced) vocabulary, and the labels mapped to that vocabulary."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=x.device.type == "cpu"):
+        logits = head(draft.model(x).last_hidden_state)
+    if lut is not None:
+        y = torch.where(y >= 0, lut[y.clamp(min=0)], y)
+    return logits, y
+
+
+def choose_vocab(pairs, vocab_size: int, size: int, always: list[int]) -> torch.Tensor:
+    """The `size` token ids the draft scores: special/EOS ids, then the most frequent ids of the data, then
+    the lowest ids (BPE gives frequent merges low ids)."""
+    if size >= vocab_size:
+        return torch.arange(vocab_size)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for prompt, response in pairs:
+        counts += torch.bincount(torch.tensor(list(prompt) + list(response), dtype=torch.long), minlength=vocab_size)
+    score = counts.double() + 1.0 / (2 + torch.arange(vocab_size, dtype=torch.double))  # ties: low ids first
+    score[torch.tensor(always, dtype=torch.long)] = float("inf")
+    return score.topk(size).indices.sort().values
+
+
+def coverage(pairs, subset) -> float:
+    """Fraction of answer tokens the reduced vocabulary can propose at all."""
+    if subset is None:
+        return 1.0
+    allowed = set(subset.tolist())
+    tokens = [t for _, r in pairs for t in r]
+    return sum(t in allowed for t in tokens) / max(len(tokens), 1)
+
+
 @torch.no_grad()
-def agreement(draft, examples, pad: int) -> float:
+def agreement(draft, head, lut, examples, pad: int) -> float:
     """Top-1 agreement of the draft with the target's answer tokens (about the per-token acceptance)."""
     hit = total = 0
     for s in range(0, len(examples), 8):
         x, y = collate(examples[s: s + 8], pad)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=x.device.type == "cpu"):
-            pred = draft(x).logits.argmax(-1)
+        logits, y = _logits(draft, head, lut, x, y)
+        pred = logits.argmax(-1)
         mask = y != -100
         hit += int((pred == y)[mask].sum())
         total += int(mask.sum())

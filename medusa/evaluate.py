@@ -232,10 +232,9 @@ class Methods:
         elif m.method == "medusa":
             p = self.rt.proposer("medusa", m.tree)
         elif m.method == "draft":
-            from .draft import DraftProposer
-            from .transformer import Transformer
+            from .draft import DraftProposer, load_draft
 
-            p = DraftProposer(Transformer(self.draft_hf(m.draft or "default")), m.k or 4)
+            p = DraftProposer(load_draft(m.draft or "default", self.rt.hf_model), m.k or 4)
         elif m.method == "lookup":
             from .lookup import LookupProposer
 
@@ -483,6 +482,8 @@ def add_parser(subparsers) -> None:
     t.add_argument("--batch-size", type=int, default=8)
     t.add_argument("--seq-len", type=int, default=256)
     t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--vocab", type=int, default=8192, help="score only this many token ids (the data's most "
+                   "frequent; 0: the whole vocabulary): a full-vocabulary projection dominates a small draft")
     t.add_argument("--out", default=None, help="output directory (default: medusa/assets/draft)")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=cmd_train_draft)
@@ -574,6 +575,6 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
     out = train_draft(model=args.model, layers=args.layers, data=args.data, distill_prompts=args.distill_prompts,
                       steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                      out=args.out, progress=not args.no_progress)
+                      out=args.out, progress=not args.no_progress, vocab=args.vocab)
     print(f"draft model: {out}")
     return 0

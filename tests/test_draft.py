@@ -120,3 +120,21 @@ def test_bad_draft_specs_are_clear_errors(target, tmp_path):
         load_draft(str(tmp_path / "missing"), model)
     with pytest.raises(MedusaError, match="k must be"):
         DraftProposer(Transformer(model), 0)
+
+
+def test_reduced_vocabulary_draft(target, tmp_path):
+    """A draft scoring only some token ids still proposes full-vocabulary ids, and stays lossless."""
+    model, engine = target
+    draft = truncated_model(model, 1)
+    vocab = torch.arange(0, 97, 2)  # even ids only
+    save_truncated(draft, tmp_path, {"hidden_size": model.config.hidden_size}, vocab)
+    loaded = load_draft(str(tmp_path), model)
+    assert loaded.draft_vocab.tolist() == vocab.tolist()
+    prompts = mixed_prompts(5, seed=41)
+    plain = engine.generate(prompts, MAX_NEW)
+    proposer = DraftProposer(loaded, 3)
+    batch = engine.new_batch(5, 64, MAX_NEW)
+    engine.add(batch, list(range(5)), prompts, MAX_NEW)
+    assert (proposer.propose(batch) % 2 == 0).all()
+    spec = engine.generate(prompts, MAX_NEW, proposer)
+    assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
