@@ -30,6 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.set_defaults(func=run)
@@ -65,6 +66,8 @@ def tree_pass_curve(rt, sizes=(1, 8, 16, 32, 64), prefix: int = 256, reps: int =
 def run(args: argparse.Namespace) -> int:
     from .runtime import Runtime
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rt = Runtime.load(args.model, args.heads, args.dtype, args.device)
     if rt.heads is None:
         # Untrained heads (zero blocks) cost exactly what trained ones cost; only tau is meaningless.
