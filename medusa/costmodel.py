@@ -96,13 +96,22 @@ class LatencyFit:
 
     @classmethod
     def fit(cls, grid: list[tuple[int, int, float]]) -> "LatencyFit":
-        """Least squares in relative error, so that small (decode) and large passes count alike."""
+        """Least squares in relative error (small decode passes and large passes count alike), with every
+        coefficient kept >= 0: a term that noise drives negative is dropped and the rest refitted."""
         if len(grid) < 3:
             raise MedusaError(f"need at least 3 latency measurements to fit, got {len(grid)}")
         x = torch.tensor([[1.0, b, b * t] for b, t, _ in grid], dtype=torch.float64)
         y = torch.tensor([ms for _, _, ms in grid], dtype=torch.float64)
         w = 1 / y
-        coef = torch.linalg.lstsq(x * w[:, None], (y * w)[:, None]).solution[:, 0]
+        active = [0, 1, 2]
+        coef = torch.zeros(3, dtype=torch.float64)
+        while active:
+            sol = torch.linalg.lstsq(x[:, active] * w[:, None], (y * w)[:, None]).solution[:, 0]
+            coef.zero_()
+            coef[active] = sol
+            if (sol >= 0).all():
+                break
+            active.pop(int(sol.argmin()))
         fit = cls(*(float(v) for v in coef))
         fit.max_rel_error = max(abs(fit(b, t) - ms) / ms for b, t, ms in grid)
         return fit

@@ -291,9 +291,19 @@ def summarize(m: MethodSpec, batch: int, results: list[RunResult], reference: li
             row["k"] = m.k or 8
         if m.method == "medusa":
             row["tree"] = m.tree or "tree-16"
-    mismatches = [sum(a != b for a, b in zip(r.outputs, reference)) for r in results] if reference else [0]
-    row["greedy_mismatches"] = max(mismatches) if reference is not None else None
+    row["greedy_mismatches"] = None
+    if reference is not None:
+        mismatches = [sum(a != b for a, b in zip(r.outputs, reference)) for r in results]
+        row["greedy_mismatches"] = max(mismatches)
+        # Where outputs part: a late first difference points at a near-tie argmax flipped by rounding
+        # (reduced-precision passes of different shapes round differently), not at a lost token.
+        row["first_divergence"] = sorted(_first_difference(a, b) for a, b in zip(first.outputs, reference)
+                                         if a != b)
     return row
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def evaluate(cfg: EvalConfig, out_dir: Path, progress: bool = True) -> dict:

@@ -7,7 +7,8 @@ report.json
         tokens_per_s_per_user, tokens_per_s_total (+ _min/_max over repeats), time_per_output_token_ms,
         seconds, new_tokens, repeats, mean_accepted (tau; null for HF), acceptance_by_head (list; null for
         HF), speedup_vs_plain (total throughput over ours at the same batch size), greedy_mismatches
-        (outputs differing from the reference: our plain for our methods, HF plain for HF's)
+        (outputs differing from the reference: our plain for our methods, HF plain for HF's),
+        first_divergence (for each differing output, the index of its first differing token)
     cost_model: latency_ms {target, draft: {grid [[B, T, ms]], fit {a_ms, b_ms_per_row, c_ms_per_token,
         max_rel_error}}, heads {B: ms}}, acceptance, predicted {B: {plain, medusa, draft, ...}},
         analytic {B: {c, speedup}}, recommendation {B: medusa|draft|plain}, best_tree {B: name},
@@ -99,7 +100,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['method']} | {r['batch_size']} | {_f(r['tokens_per_s_per_user'], 1)} | "
                      f"{_f(r['tokens_per_s_total'], 1)}{spread} | {_f(r.get('time_per_output_token_ms'), 1)} | "
                      f"{_f(r['mean_accepted'])} | {_f(r['speedup_vs_plain'])} | {acc} | "
-                     f"{_f(r['greedy_mismatches'])} |")
+                     f"{_mismatch(r)} |")
     cm = report.get("cost_model") or {}
     if cm.get("predicted"):
         lines += ["", "## Cost model", "", _fit_line(cm), "",
@@ -122,6 +123,13 @@ def markdown(report: dict) -> str:
                   f"cost ratio: it assumes a (K+1)-token verification pass costs one decoding step, which "
                   f"holds while a pass is bound by reading weights and fails once it is bound by compute."]
     return "\n".join(lines) + "\n"
+
+
+def _mismatch(r: dict) -> str:
+    cell = _f(r["greedy_mismatches"])
+    if r.get("first_divergence"):
+        cell += " (first differing token: " + ", ".join(str(d) for d in r["first_divergence"]) + ")"
+    return cell
 
 
 def _fit_line(cm: dict) -> str:

@@ -137,3 +137,11 @@ def test_cli_bad_input(capsys, argv, message):
     rc = main(["crossover", *argv])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_latency_fit_keeps_coefficients_non_negative():
+    # Noisy timings in which the per-token slope looks negative: the fit must not predict cheaper big passes.
+    grid = [(1, 1, 20.0), (1, 2, 19.0), (1, 4, 18.5), (2, 1, 22.0), (2, 2, 21.5), (2, 4, 21.0)]
+    fit = LatencyFit.fit(grid)
+    assert min(fit.a, fit.b, fit.c) >= 0
+    assert fit(64, 64) >= fit(1, 1)
