@@ -78,6 +78,7 @@ class EvalConfig(BaseModel):
                                  MethodSpec(method="hf"), MethodSpec(method="hf_assisted", draft="default", k=4),
                                  MethodSpec(method="hf_lookup", k=10)]
     hf_batch_sizes: list[int] = [1]   # HF plain generate() is slow on CPU: only these batch sizes
+    hf_repeats: int | None = Field(default=None, ge=1)  # fewer rounds for the (slow) HF anchors
     cost_model: CostModelSpec = CostModelSpec()
 
     @field_validator("batch_sizes", "hf_batch_sizes")
@@ -341,9 +342,13 @@ def _evaluate(cfg: EvalConfig, out_dir: Path, progress: bool) -> dict:
         for m in cfg.methods:
             methods.run(m, prompts[:1], 1, min(16, cfg.max_new_tokens))
     raw: dict[tuple[int, str], list[RunResult]] = {}
-    bar = tqdm(total=len(runs) * cfg.repeats, desc="eval", unit="run", disable=not progress)
-    for _ in range(cfg.repeats):
+    hf_rounds = min(cfg.hf_repeats or cfg.repeats, cfg.repeats)
+    total = sum(hf_rounds if m.method in HF else cfg.repeats for _, m in runs)
+    bar = tqdm(total=total, desc="eval", unit="run", disable=not progress)
+    for round_ in range(cfg.repeats):
         for b, m in runs:
+            if m.method in HF and round_ >= hf_rounds:
+                continue
             bar.set_postfix_str(f"{m.name} bs={b}")
             raw.setdefault((b, m.name), []).append(methods.run(m, prompts_for_batch(prompts, b), b,
                                                                cfg.max_new_tokens))
