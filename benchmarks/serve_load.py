@@ -41,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=4, help="at least this many requests per level")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1, help="runs per policy and level (the median is kept)")
     p.add_argument("--prompts", default="mtbench", help="prompt source for medusa.prompts.load_prompts")
     p.add_argument("--policies", default="on,off,dynamic")
     p.add_argument("--config", default=None, help="base serve YAML (policy.mode is set per server)")
@@ -196,11 +197,17 @@ def main(argv: list[str] | None = None) -> int:
         for i, clients in enumerate(levels):
             requests = max(args.min_requests, clients * args.requests_per_client)
             order = names[i % len(names):] + names[: i % len(names)]
+            runs: dict[str, list[dict]] = {n: [] for n in names}
+            for _ in range(args.repeats):
+                for n in order:
+                    before = steps_by_mode(servers[n].url)
+                    row = asyncio.run(run_level(servers[n].url, prompts, clients, requests, args))
+                    after = steps_by_mode(servers[n].url)
+                    row["steps"] = {m: after[m] - before.get(m, 0) for m in after if after[m] - before.get(m, 0)}
+                    runs[n].append(row)
             for n in order:
-                before = steps_by_mode(servers[n].url)
-                row = asyncio.run(run_level(servers[n].url, prompts, clients, requests, args))
-                after = steps_by_mode(servers[n].url)
-                row["steps"] = {m: after[m] - before.get(m, 0) for m in after if after[m] - before.get(m, 0)}
+                row = sorted(runs[n], key=lambda r: r["tokens_per_s"])[len(runs[n]) // 2]
+                row["tokens_per_s_runs"] = [round(r["tokens_per_s"], 2) for r in runs[n]]
                 table[n][clients] = row
                 print(f"clients={clients:3d} {n:8s} {row['tokens_per_s']:8.1f} tok/s  "
                       f"TPOT p50 {row['tpot_p50_ms']:7.1f} ms p95 {row['tpot_p95_ms']:7.1f} ms  "
