@@ -47,8 +47,19 @@ def load_pairs(path: str) -> list[tuple[list[int], list[int]]]:
 
 
 def distil_here(rt, count: int, max_new: int, batch_size: int = 32, progress: bool = True):
-    """Greedy answers of the target to `count` ShareGPT prompts (never MT-bench: the evaluation set)."""
+    """Greedy answers of the target to `count` ShareGPT prompts (never MT-bench: the evaluation set),
+    cached so that a second training run does not distil again."""
+    import json
+    import os
+
     from tqdm import tqdm
+
+    from .model import cache_dir
+
+    name = getattr(rt.hf_model, "name_or_path", "model").replace("/", "_")
+    cached = cache_dir() / "draft-distill" / f"{name}-{count}-{max_new}.json"
+    if cached.exists():
+        return [tuple(p) for p in json.loads(cached.read_text())]
 
     from .prompts import mtbench_prompts, sharegpt_prompts
 
@@ -60,6 +71,10 @@ def distil_here(rt, count: int, max_new: int, batch_size: int = 32, progress: bo
         chunk = prompts[s: s + batch_size]
         gen = rt.engine.generate(chunk, max_new)
         pairs += [(p, o.tokens) for p, o in zip(chunk, gen.outputs)]
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(".part")
+    tmp.write_text(json.dumps(pairs))
+    os.replace(tmp, cached)
     return pairs
 
 
@@ -101,7 +116,7 @@ def train_draft(model: str = "default", layers: int = 4, data: str | None = None
     pairs = load_pairs(data) if data else find_distilled(model)
     source = data or ("medusa distill dataset" if pairs else f"{distill_prompts} prompts distilled here")
     if not pairs:
-        pairs = distil_here(rt, distill_prompts, max_new=min(seq_len, 160), progress=progress)
+        pairs = distil_here(rt, distill_prompts, max_new=min(seq_len, 128), progress=progress)
     examples = make_examples(pairs, seq_len)
     if len(examples) < 2:
         raise MedusaError(f"--data: only {len(examples)} usable examples")

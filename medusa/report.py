@@ -55,6 +55,8 @@ def write_report(report: dict, out_dir: str | Path) -> Path:
     validate(report)
     _atomic_text(out / "report.json", json.dumps(report, indent=2, default=_jsonable) + "\n")
     _atomic_text(out / "report.md", markdown(report))
+    if report.get("cost_model"):  # on its own too: what `medusa serve --cost-model` reads
+        _atomic_text(out / "cost_model.json", json.dumps(report["cost_model"], indent=2, default=_jsonable) + "\n")
     plots(report, out)
     return out
 

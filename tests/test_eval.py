@@ -72,6 +72,7 @@ def test_eval_end_to_end_schema(tmp_path, capsys):
     assert cm["best_tree"]["1"] == "tree-8"
     assert {"target", "draft", "heads"} <= set(cm["latency_ms"])
     assert set(report["crossover"]) >= {"medusa", "draft"}
+    assert json.loads((out / "cost_model.json").read_text())["recommendation"] == cm["recommendation"]
     for name in ("report.md", "speedup.png", "throughput.png", "acceptance.png", "predicted_vs_measured.png"):
         assert (out / name).stat().st_size > 0
     assert "| draft | 4 |" in (out / "report.md").read_text()
