@@ -355,16 +355,15 @@ class Shape:
 
 
 def load_draft(cfg: ServeConfig, rt: Runtime) -> Any:
-    """A draft-model proposer for `draft` speculation (medusa.draft), on the target's device and dtype."""
+    """A draft-model proposer for `draft` speculation: `default` (the shipped draft of the embedded
+    model), `layers:N` (the target's first N layers), a `medusa train-draft` directory or an HF model
+    sharing the target's tokenizer."""
     try:
-        from medusa.draft import DraftProposer
+        from medusa.draft import DraftProposer, load_draft as load_draft_model
     except ImportError:
         raise MedusaError("--draft: draft-model speculation is not available (medusa.draft is missing)") from None
-    from medusa.model import load_target
-    from medusa.transformer import Transformer
-
-    hf, _ = load_target(cfg.draft, cfg.dtype, rt.model.device)
-    if hf.config.vocab_size != rt.model.config.vocab_size:
-        raise MedusaError(f"--draft: {cfg.draft} has a vocabulary of {hf.config.vocab_size}, the target "
+    draft = load_draft_model(cfg.draft, rt.hf_model)
+    if draft.config.vocab_size != rt.model.config.vocab_size:
+        raise MedusaError(f"--draft: {cfg.draft} has a vocabulary of {draft.config.vocab_size}, the target "
                           f"{rt.model.config.vocab_size}; the draft must share the target's tokenizer")
-    return DraftProposer(Transformer(hf), cfg.draft_k)
+    return DraftProposer(draft, cfg.draft_k)

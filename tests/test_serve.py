@@ -383,6 +383,17 @@ def test_cli_bad_config_is_one_line_error(tmp_path, capsys):
     assert "policy.bogus" in err and "Traceback" not in err
 
 
+def test_draft_speculation_matches_decoding_alone(rt, tokenizer):
+    """`draft: layers:1` (the target's first layer as draft model) behind the server, fixed draft mode."""
+    prompts = [("Name a fruit", 10), ("Describe a quiet harbour town at dusk", 17), ("Hi", 5)]
+    with serve(rt, draft="layers:1", draft_k=3, policy={"mode": "draft"}) as url:
+        c = client(url)
+        got = [c.completions.create(model="default", prompt=p, max_tokens=m).choices[0].text for p, m in prompts]
+        steps = _metric(httpx.get(url + "/metrics", timeout=10).text, 'medusa_steps_total{mode="draft"}')
+    assert got == [alone(rt, tokenizer(p)["input_ids"], m)[0] for p, m in prompts]
+    assert steps > 0
+
+
 def test_engine_failure_fails_the_batch_not_the_server(rt):
     app = create_app(ServeConfig(dtype="fp32", max_batch=4, max_context=256, policy={"mode": "medusa",
                                                                                      "trees": {1: "tree-8"}}), rt)
