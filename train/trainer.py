@@ -125,6 +125,9 @@ class Run:
     meta: dict
     run_dir: Path
     history: list = field(default_factory=list)
+    lora_params: list = field(default_factory=list)    # Medusa-2: adapter parameters (own lr)
+    save_adapter: object = None                        # Medusa-2: callables writing / reading the adapter
+    load_adapter: object = None
 
 
 def run_training(cfg: TrainConfig, eval_only: bool = False) -> dict:
@@ -151,11 +154,10 @@ def run_training(cfg: TrainConfig, eval_only: bool = False) -> dict:
     train_idx, eval_idx = split_eval(len(examples), cfg.data.eval_fraction, cfg.seed)
     train_ex, eval_ex = [examples[i] for i in train_idx], [examples[i] for i in eval_idx]
     if cfg.medusa2.enabled:
-        from .medusa2 import train_medusa2
+        from .medusa2 import attach
 
-        state = train_medusa2(run, train_ex) if not eval_only else {}
-    else:
-        state = train_medusa1(run, train_ex, eval_only)
+        attach(run)
+    state = train_heads(run, train_ex, eval_only)
     return finish(run, eval_ex, state)
 
 
@@ -175,7 +177,7 @@ def _tables(run: Run, train_ex: list[dict]) -> PositionTable:
 def make_optimizer(run: Run, total: int):
     cfg = run.cfg
     groups = [{"params": [p for p in run.objective.parameters() if p.requires_grad], "lr": cfg.optim.lr}]
-    extra = getattr(run, "lora_params", None)
+    extra = run.lora_params
     if extra:
         groups.append({"params": extra, "lr": cfg.medusa2.lora_lr or cfg.optim.lr})
     opt = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
@@ -212,14 +214,16 @@ class Stepper:
         # Losses are already normalised by global counts; undo the averaging DDP / DeepSpeed apply.
         scale = self.run.d.world
         if self.engine is not None:
+            # DeepSpeed divides by its accumulation count and counts micro-steps itself: step() after each
+            # backward, the optimizer moves only at the accumulation boundary.
             self.engine.backward(loss * scale * self.run.cfg.grad_accum)
+            self.engine.step()
         else:
             (loss * scale).backward()
 
     def step(self) -> None:
         if self.engine is not None:
-            self.engine.step()
-            return
+            return  # stepped in backward()
         if self.run.cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_([p for g in self.opt.param_groups for p in g["params"]],
                                            self.run.cfg.optim.grad_clip)
@@ -238,13 +242,13 @@ class Stepper:
         self.sched.load_state_dict(state["scheduler"])
 
 
-def train_medusa1(run: Run, train_ex: list[dict], eval_only: bool) -> dict:
+def train_heads(run: Run, train_ex: list[dict], eval_only: bool) -> dict:
+    """The step loop: cached positions (Medusa-1 fast path) or sequence batches (plain / Medusa-2)."""
     cfg, d = run.cfg, run.d
     num_heads = cfg.heads.num_heads
-    if cfg.cache_hidden:
-        table = _tables(run, train_ex)
-    else:
-        table = None
+    t0 = time.perf_counter()
+    table = _tables(run, train_ex) if cfg.cache_hidden else None
+    table_seconds = time.perf_counter() - t0
     if table is not None:
         positions = table.trainable()
         unit = cfg.batch_size * cfg.grad_accum
@@ -257,12 +261,13 @@ def train_medusa1(run: Run, train_ex: list[dict], eval_only: bool) -> dict:
             raise MedusaError(f"batch_size: {cfg.batch_size * cfg.grad_accum} sequences per step exceed the "
                               f"{len(train_ex)} training examples")
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
-    stepper = Stepper(run, run.objective, total)
+    stepper = Stepper(run, run.module, total)
     step = resume(run, stepper)
     if eval_only:
         return {"step": step, "total": total}
     logger = Logger(run, total)
     micro = cfg.batch_size // d.world
+    trained, train_seconds = 0, 0.0
     if cfg.batch_size % d.world:
         raise MedusaError(f"batch_size: {cfg.batch_size} is not divisible by the {d.world} processes")
     while step < total:
@@ -288,9 +293,16 @@ def train_medusa1(run: Run, train_ex: list[dict], eval_only: bool) -> dict:
             batches = [pad_batch([train_ex[int(i)] for i in g]) for g in global_idx]
             labels = [head_labels(b["input_ids"], b["loss_mask"], num_heads) for b in batches]
             norm = sum((lab >= 0).sum((0, 1)) for lab in labels)
+            base_norm = sum(b["loss_mask"][:, 1:].sum() for b in batches)
             for m in range(cfg.grad_accum):
                 mine = slice(d.rank * micro, (d.rank + 1) * micro)
                 part = {k: v[mine] for k, v in batches[m].items()}
+                if cfg.medusa2.enabled:
+                    loss, stats = stepper.model(part, labels[m][mine], norm, base_norm,
+                                                step < cfg.medusa2.heads_only_steps, cfg.loss.kind == "kl")
+                    stepper.backward(loss)
+                    agg = _merge(agg, loss, stats)
+                    continue
                 with torch.no_grad():
                     hidden = hf_hidden_fn(run.hf_model)(part)
                 lab = labels[m][mine]
@@ -301,12 +313,15 @@ def train_medusa1(run: Run, train_ex: list[dict], eval_only: bool) -> dict:
                 agg = _merge(agg, loss, stats)
         stepper.step()
         step += 1
-        logger.log(step, agg, stepper.lr(), int(norm[0]), time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        trained, train_seconds = trained + int(norm[0]), train_seconds + seconds
+        logger.log(step, agg, stepper.lr(), int(norm[0]), seconds)
         if step % cfg.checkpoint_every == 0 or step == total:
             save(run, stepper, step)
         _fault_injection(step)
     logger.close()
-    return {"step": step, "total": total, "history": run.history}
+    return {"step": step, "total": total, "history": run.history, "table_seconds": table_seconds,
+            "train_seconds": train_seconds, "trained_positions": trained}
 
 
 def _fault_injection(step: int) -> None:
@@ -403,7 +418,7 @@ def save(run: Run, stepper: Stepper, step: int) -> None:
 
     def fill(tmp: Path) -> None:
         run.objective.heads.save(tmp / "heads")
-        if getattr(run, "save_adapter", None):
+        if run.save_adapter:
             run.save_adapter(tmp / "adapter")
         torch.save({"step": step, **stepper.state(), "rng": ckpt.rng_state(), "history": run.history},
                    tmp / ckpt.STATE)
@@ -445,7 +460,7 @@ def resume(run: Run, stepper: Stepper) -> int:
         stepper.engine.load_checkpoint(str(path), tag="ds")
     else:
         stepper.load_state(state)
-    if getattr(run, "load_adapter", None):
+    if run.load_adapter:
         run.load_adapter(path / "adapter")
     ckpt.set_rng_state(state["rng"])
     run.history[:] = state.get("history", [])
@@ -472,7 +487,8 @@ def evaluate(run: Run, eval_ex: list[dict]) -> dict:
 
 def finish(run: Run, eval_ex: list[dict], state: dict) -> dict:
     cfg, d = run.cfg, run.d
-    result = {"rank": d.rank, "heads_dir": str(run.run_dir / "heads"), "step": state.get("step")}
+    result = {"rank": d.rank, "heads_dir": str(run.run_dir / "heads"), "step": state.get("step"),
+              **{k: state[k] for k in ("table_seconds", "train_seconds", "trained_positions") if k in state}}
     if not d.main:
         d.barrier()
         return result
@@ -485,7 +501,7 @@ def finish(run: Run, eval_ex: list[dict], state: dict) -> dict:
         run.objective.heads.save(tmp)
         (tmp / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
         (tmp / "train_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-        if getattr(run, "save_adapter", None):
+        if run.save_adapter:
             run.save_adapter(tmp / "adapter")
 
     ckpt.atomic_dir(heads_dir, fill)
@@ -499,6 +515,11 @@ def finish(run: Run, eval_ex: list[dict], state: dict) -> dict:
 
         ckpt.atomic_dir(Path(cfg.export_heads), lambda t: [shutil.copy2(p, t / p.name)
                                                          for p in heads_dir.iterdir() if p.is_file()])
+    if cfg.medusa2.enabled:
+        from .medusa2 import save_merged
+
+        save_merged(run, run.run_dir / "merged")
+        result["merged_model"] = str(run.run_dir / "merged")
     if cfg.write_trees and report:
         write_trees(report["rank_accuracy"], cfg.tree_budgets, Path(cfg.write_trees), str(heads_dir))
     d.barrier()
