@@ -134,7 +134,11 @@ class Server:
             raise ApiError(400, f"max_tokens {max_tokens} + prompt {len(prompt)} tokens exceeds this "
                            f"server's context of {self.cfg.max_context} tokens", "max_tokens",
                            "context_length_exceeded")
-        sampling = SamplingParams(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, seed=body.seed)
+        try:
+            sampling = SamplingParams(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0,
+                                      seed=body.seed)
+        except MedusaError as exc:
+            raise ApiError(400, str(exc), "temperature") from None
         if not sampling.greedy and not self.scheduler.sampling_supported and not self.warned_sampling:
             log.warning("the engine does not sample yet: temperature > 0 requests are decoded greedily")
             self.warned_sampling = True
