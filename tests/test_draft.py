@@ -138,3 +138,18 @@ def test_reduced_vocabulary_draft(target, tmp_path):
     assert (proposer.propose(batch) % 2 == 0).all()
     spec = engine.generate(prompts, MAX_NEW, proposer)
     assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
+
+
+@pytest.mark.slow
+def test_embedded_draft_and_lookup_match_plain(embedded):
+    """The real model and chat template (fp32): a cut-down draft and prompt lookup change no token."""
+    from medusa.lookup import LookupProposer
+
+    rt = embedded
+    prompts = rt.encode(["Name three colours.", "Repeat after me: the quick brown fox jumps over the lazy dog.",
+                         "What is 12 times 12?"])
+    plain = rt.engine.generate(prompts, 24)
+    for proposer in (DraftProposer(load_draft("layers:6", rt.hf_model), 3), LookupProposer(k=6)):
+        spec = rt.engine.generate(prompts, 24, proposer)
+        assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs], proposer.name
+    assert spec.stats.mean_accepted > 1.0  # lookup finds the sentence it is asked to repeat
