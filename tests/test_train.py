@@ -188,3 +188,18 @@ def test_distill_is_resumable(tiny, tmp_path):
     again = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")}
     assert again["shard-00000"] == stamps["shard-00000"] and again["shard-00002"] == stamps["shard-00002"]
     assert load_distilled(out)["response_ids"] == ds["response_ids"]
+
+
+def test_vocab_subset_covering_everything_equals_full_softmax(tiny, tmp_path):
+    from train.config import load_config
+    from train.trainer import run_training
+
+    root, model, data = tiny
+    full = run_training(load_config(write_config(tmp_path / "a.yaml", model, data, tmp_path / "a", max_steps=4)))
+    sub = run_training(load_config(write_config(tmp_path / "b.yaml", model, data, tmp_path / "b", max_steps=4,
+                                                loss__vocab_subset=97)))
+    assert [h["loss"] for h in sub["history"]] == pytest.approx([h["loss"] for h in full["history"]], rel=1e-5)
+    small = run_training(load_config(write_config(tmp_path / "c.yaml", model, data, tmp_path / "c", epochs=3,
+                                                  loss__vocab_subset=0)))
+    losses = [h["loss"] for h in small["history"]]
+    assert losses[-1] < losses[0]

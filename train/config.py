@@ -42,6 +42,8 @@ class LossConfig(_Strict):
     weights: list[float] | None = None                  # explicit w_k, overrides decay
     kind: Literal["ce", "kl"] = "ce"                    # hard tokens, or the base's own distribution
     kl_temperature: float = Field(default=1.0, gt=0.0)
+    # Training softmax over the answer tokens plus ids below this bound (None: the whole vocabulary).
+    vocab_subset: int | None = Field(default=None, ge=0)
 
 
 class OptimConfig(_Strict):

@@ -26,21 +26,40 @@ class HeadObjective(nn.Module):
         self.weights = list(weights)
         self.kind = kind
         self.temperature = temperature
+        self.vocab: torch.Tensor | None = None   # training softmax over these ids only (None: all)
+        self.remap: torch.Tensor | None = None
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, H] -> [K, B, V] float32 logits."""
-        w = self.projection[0]
+    def restrict_vocab(self, ids: torch.Tensor | None) -> None:
+        """Train the softmax over a subset of the vocabulary (every label must be in it).
+
+        The vocabulary projection is most of a step's cost; the answers of a chat model use a few thousand
+        distinct tokens, so a softmax over those (plus the most frequent ids) is several times cheaper.
+        Evaluation and inference always rank the full vocabulary."""
+        if ids is None:
+            self.vocab = self.remap = None
+            return
+        ids = torch.unique(ids)
+        self.vocab = ids
+        self.remap = torch.full((self.projection[0].shape[0],), -100, dtype=torch.long)
+        self.remap[ids] = torch.arange(ids.shape[0])
+        self._sub = [self.projection[0][ids].contiguous()]
+
+    def logits(self, hidden: torch.Tensor, full: bool = True) -> torch.Tensor:
+        """[B, H] -> [K, B, V] float32 logits (V: the training subset when full is False)."""
+        sub = not full and self.vocab is not None
+        w = self._sub[0] if sub else self.projection[0]
         out = []
         for k, block in enumerate(self.heads.blocks):
             h = block(hidden.float())
             if self.heads.lm_heads is not None:
-                out.append(self.heads.lm_heads[k](h).float())
+                proj = self.heads.lm_heads[k]
+                out.append(F.linear(h, proj.weight[self.vocab] if sub else proj.weight).float())
             else:
                 out.append(F.linear(h.to(w.dtype), w).float())
         return torch.stack(out)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.projection[0]
+        w = self._sub[0] if self.vocab is not None else self.projection[0]
         return F.linear(hidden.to(w.dtype), w).float()
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, norm: torch.Tensor,
@@ -48,7 +67,9 @@ class HeadObjective(nn.Module):
         """hidden [B, H]; labels [B, K] (-100: none); norm [K] label counts of the global batch;
         teacher_hidden [B, K, H]: base hidden state at t+k+1 (for kind == "kl").
         Returns (loss, {"correct1": [K], "correct5": [K], "count": [K]}) on this micro-batch."""
-        logits = self.logits(hidden)
+        logits = self.logits(hidden, full=False)
+        if self.remap is not None:
+            labels = torch.where(labels >= 0, self.remap[labels.clamp_min(0)], labels)
         loss = hidden.new_zeros((), dtype=torch.float32)
         stats = {"correct1": [], "correct5": [], "count": []}
         for k in range(logits.shape[0]):

@@ -261,6 +261,11 @@ def train_heads(run: Run, train_ex: list[dict], eval_only: bool) -> dict:
             raise MedusaError(f"batch_size: {cfg.batch_size * cfg.grad_accum} sequences per step exceed the "
                               f"{len(train_ex)} training examples")
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
+    if cfg.loss.vocab_subset is not None:
+        answers = table.tokens[table.answer] if table is not None else torch.tensor(
+            [t for e in train_ex for t, m in zip(e["input_ids"], e["loss_mask"]) if m])
+        vocab = run.objective.projection[0].shape[0]
+        run.objective.restrict_vocab(torch.cat([answers, torch.arange(min(cfg.loss.vocab_subset, vocab))]))
     stepper = Stepper(run, run.module, total)
     step = resume(run, stepper)
     if eval_only:
