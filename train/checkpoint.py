@@ -37,6 +37,8 @@ def atomic_dir(final: Path, fill) -> Path:
     try:
         fill(tmp)
         os.chmod(tmp, 0o755)
+        for f in tmp.rglob("*"):
+            os.chmod(f, 0o755 if f.is_dir() else 0o644)  # temp files are created owner-only
         if final.exists():
             old = final.with_name(f".{final.name}.old")
             shutil.rmtree(old, ignore_errors=True)

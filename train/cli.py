@@ -22,6 +22,7 @@ def add_parser(subparsers) -> None:
     t.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     t.add_argument("--deepspeed", default=None, help="DeepSpeed JSON config (overrides the config key)")
     t.add_argument("--eval-only", action="store_true", help="evaluate the latest checkpoint and write trees")
+    t.add_argument("--prepare-only", action="store_true", help="build the hidden-state cache and stop")
     t.set_defaults(func=cmd_train)
 
 
@@ -39,7 +40,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     overrides = list(args.set) + ([f"deepspeed={args.deepspeed}"] if args.deepspeed else [])
     cfg = load_config(args.config, overrides)
-    result = run_training(cfg, eval_only=args.eval_only)
+    result = run_training(cfg, eval_only=args.eval_only, prepare_only=args.prepare_only)
+    if args.prepare_only:
+        print(f"hidden states cached for {', '.join(result['prepared'])}")
+        return 0
     if result.get("rank", 0) == 0:
         print(f"heads: {result['heads_dir']}")
         for k, acc in enumerate(result.get("accuracy", [])):

@@ -141,12 +141,19 @@ def _atomic_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def load_distilled(directory: str | Path):
-    """All complete shards of a distilled directory as one `datasets.Dataset`."""
-    from datasets import concatenate_datasets, load_from_disk
+def load_shards(directory: str | Path) -> list[tuple[str, object]]:
+    """(name, dataset) of every complete shard, in order."""
+    from datasets import load_from_disk
 
     directory = Path(directory)
     shards = sorted(p for p in directory.glob("shard-*") if (p / "count.json").exists())
     if not shards:
         raise MedusaError(f"data.distill_dir: {directory} holds no distilled shards; run `medusa distill` first")
-    return concatenate_datasets([load_from_disk(str(p)) for p in shards])
+    return [(p.name, load_from_disk(str(p))) for p in shards]
+
+
+def load_distilled(directory: str | Path):
+    """All complete shards of a distilled directory as one `datasets.Dataset`."""
+    from datasets import concatenate_datasets
+
+    return concatenate_datasets([ds for _, ds in load_shards(directory)])

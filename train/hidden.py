@@ -48,6 +48,16 @@ class PositionTable:
             out[:, k] = torch.where(ok, self.tokens[jc], -100)
         return out
 
+    @classmethod
+    def cat(cls, tables: list["PositionTable"]) -> "PositionTable":
+        offsets, n = [], 0
+        for t in tables:
+            offsets.append(n)
+            n += len(t)
+        return cls(torch.cat([t.hidden for t in tables]), torch.cat([t.tokens for t in tables]),
+                   torch.cat([t.answer for t in tables]),
+                   torch.cat([t.seq_end + o for t, o in zip(tables, offsets)]))
+
     def save(self, path: Path, key: str) -> None:
         tmp = path.with_name(f".{path.name}.tmp")
         save_file({"hidden": self.hidden.contiguous(), "tokens": self.tokens, "answer": self.answer.to(torch.uint8),

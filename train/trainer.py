@@ -65,31 +65,42 @@ def init_dist(cfg: TrainConfig) -> Dist:
 
 
 # ---- data -----------------------------------------------------------------------------------------
-def load_examples(cfg: TrainConfig, tokenizer) -> list[dict]:
-    """Tokenised training examples: distilled answers (default) or the sources' own answers."""
-    examples = []
+def load_examples(cfg: TrainConfig, tokenizer) -> list[tuple[str, list[dict]]]:
+    """Tokenised training examples in named groups (one per distilled shard, so that the hidden-state
+    cache of a shard is reused when more shards arrive): distilled answers, or the sources' own answers."""
+    groups = []
     if cfg.data.use == "distilled":
-        from .distill import distill_dir, load_distilled
+        from .distill import distill_dir, load_shards
 
-        ds = load_distilled(distill_dir(cfg))
-        for p, r in zip(ds["prompt_ids"], ds["response_ids"]):
-            e = example(p, r, cfg.data.max_seq_tokens)
-            if e is not None:
-                examples.append(e)
+        for name, ds in load_shards(distill_dir(cfg)):
+            exs = [example(p, r, cfg.data.max_seq_tokens) for p, r in zip(ds["prompt_ids"], ds["response_ids"])]
+            groups.append((name, [e for e in exs if e is not None]))
     else:
         from .data import answer_ids, chat_prompt_ids
 
         eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() \
             else tokenizer.eos_token_id
+        exs = []
         for prompt, answer in training_pairs(cfg.data.sources, cfg.data.limit):
             if answer:
                 e = example(chat_prompt_ids(tokenizer, prompt), answer_ids(tokenizer, answer, eos),
                             cfg.data.max_seq_tokens)
                 if e is not None:
-                    examples.append(e)
-    if len(examples) < 2:
+                    exs.append(e)
+        groups.append(("source", exs))
+    if sum(len(g) for _, g in groups) < 2:
         raise MedusaError("data: fewer than 2 usable examples (distil more prompts or raise data.limit)")
-    return examples
+    return groups
+
+
+def split_groups(cfg: TrainConfig, groups: list[tuple[str, list[dict]]]):
+    """Held-out examples drawn from every group; returns ([(name, train examples)], eval examples)."""
+    train, held = [], []
+    for name, exs in groups:
+        tr, ev = split_eval(len(exs), cfg.data.eval_fraction, cfg.seed)
+        train.append((name, [exs[i] for i in tr]))
+        held += [exs[i] for i in ev]
+    return train, held
 
 
 def base_fingerprint(hf_model, name: str) -> dict:
@@ -130,7 +141,7 @@ class Run:
     load_adapter: object = None
 
 
-def run_training(cfg: TrainConfig, eval_only: bool = False) -> dict:
+def run_training(cfg: TrainConfig, eval_only: bool = False, prepare_only: bool = False) -> dict:
     torch.manual_seed(cfg.seed)
     d = init_dist(cfg)
     run_dir = Path(cfg.run_dir)
@@ -150,28 +161,34 @@ def run_training(cfg: TrainConfig, eval_only: bool = False) -> dict:
     meta = {"base": base_fingerprint(base, hcfg.base_model), "heads": asdict(hcfg) | {"base_model": None},
             "medusa2": cfg.medusa2.enabled}
     run = Run(cfg, d, hf_model, tokenizer, objective, objective, meta, run_dir)
-    examples = load_examples(cfg, tokenizer)
-    train_idx, eval_idx = split_eval(len(examples), cfg.data.eval_fraction, cfg.seed)
-    train_ex, eval_ex = [examples[i] for i in train_idx], [examples[i] for i in eval_idx]
+    train_groups, eval_ex = split_groups(cfg, load_examples(cfg, tokenizer))
+    if prepare_only:
+        if cfg.cache_hidden:
+            _tables(run, train_groups)
+        return {"rank": d.rank, "prepared": [name for name, _ in train_groups]}
     if cfg.medusa2.enabled:
         from .medusa2 import attach
 
         attach(run)
-    state = train_heads(run, train_ex, eval_only)
+    state = train_heads(run, train_groups, eval_only)
     return finish(run, eval_ex, state)
 
 
-def _tables(run: Run, train_ex: list[dict]) -> PositionTable:
+def _tables(run: Run, groups: list[tuple[str, list[dict]]]) -> PositionTable:
+    """One cached table per group (reused while that group is unchanged), concatenated."""
     cfg = run.cfg
-    key = table_key(run.meta["base"], cfg.dtype, len(train_ex), [e["input_ids"][:8] for e in train_ex[:64]],
-                    sum(len(e["input_ids"]) for e in train_ex))
-    build = lambda: build_table(train_ex, hf_hidden_fn(run.hf_model), progress=run.d.main)
-    if run.d.world > 1:
-        # One process builds the cache, the others wait and read it.
-        if run.d.main:
-            cached_table(run.run_dir / "hidden" / "train.safetensors", key, build)
-        run.d.barrier()
-    return cached_table(run.run_dir / "hidden" / "train.safetensors", key, build)
+    tables = []
+    for name, exs in groups:
+        key = table_key(run.meta["base"], cfg.dtype, name, len(exs), [e["input_ids"] for e in exs])
+        path = run.run_dir / "hidden" / f"{name}.safetensors"
+        build = lambda exs=exs: build_table(exs, hf_hidden_fn(run.hf_model), progress=run.d.main)
+        if run.d.world > 1:
+            # One process builds the cache, the others wait and read it.
+            if run.d.main:
+                cached_table(path, key, build)
+            run.d.barrier()
+        tables.append(cached_table(path, key, build))
+    return PositionTable.cat(tables)
 
 
 def make_optimizer(run: Run, total: int):
@@ -242,12 +259,13 @@ class Stepper:
         self.sched.load_state_dict(state["scheduler"])
 
 
-def train_heads(run: Run, train_ex: list[dict], eval_only: bool) -> dict:
+def train_heads(run: Run, groups: list[tuple[str, list[dict]]], eval_only: bool) -> dict:
     """The step loop: cached positions (Medusa-1 fast path) or sequence batches (plain / Medusa-2)."""
     cfg, d = run.cfg, run.d
+    train_ex = [e for _, exs in groups for e in exs]
     num_heads = cfg.heads.num_heads
     t0 = time.perf_counter()
-    table = _tables(run, train_ex) if cfg.cache_hidden else None
+    table = _tables(run, groups) if cfg.cache_hidden else None
     table_seconds = time.perf_counter() - t0
     if table is not None:
         positions = table.trainable()
