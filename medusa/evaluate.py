@@ -353,20 +353,9 @@ def _evaluate(cfg: EvalConfig, out_dir: Path, progress: bool) -> dict:
             raw.setdefault((b, m.name), []).append(methods.run(m, prompts_for_batch(prompts, b), b,
                                                                cfg.max_new_tokens))
             bar.update(1)
+            _write_partial(out_dir, runs, raw)  # a long run that dies late still leaves its measurements
     bar.close()
-    results = []
-    for b, m in runs:
-        ref_name = "hf" if m.method in BATCH_ONE_ONLY else "plain"
-        ref_key = (b, ref_name)
-        if m.method in HF and ref_key not in raw:
-            ref_key = (b, "plain")  # no HF plain run at this size: compare with ours
-        reference = raw[ref_key][0].outputs if m.name != ref_name and ref_key in raw else None
-        results.append(summarize(m, b, raw[(b, m.name)], reference if m.name != "plain" else None))
-    plain = {r["batch_size"]: r["tokens_per_s_total"] for r in results if r["method"] == "plain"}
-    for r in results:
-        r["speedup_vs_plain"] = r["tokens_per_s_total"] / plain[r["batch_size"]]
-        if r["method"] == "plain":
-            r["greedy_mismatches"] = 0
+    results = _results(runs, raw)
     cost = build_cost_model(rt, cfg, methods, results, progress) if cfg.cost_model.enabled else {}
     report = {"model": getattr(rt.hf_model, "name_or_path", cfg.model), "device": str(rt.model.device),
               "dtype": cfg.dtype, "threads": torch.get_num_threads(), "prompts": cfg.prompts,
@@ -377,6 +366,33 @@ def _evaluate(cfg: EvalConfig, out_dir: Path, progress: bool) -> dict:
               "measured_crossover": measured_crossover(results)}
     write_report(report, out_dir)
     return report
+
+
+def _results(runs: list[tuple[int, MethodSpec]], raw: dict) -> list[dict]:
+    """Summaries of every (batch size, method) that has runs, with speedups over plain."""
+    results = []
+    for b, m in runs:
+        if (b, m.name) not in raw:
+            continue
+        ref_name = "hf" if m.method in BATCH_ONE_ONLY else "plain"
+        ref_key = (b, ref_name)
+        if m.method in HF and ref_key not in raw:
+            ref_key = (b, "plain")  # no HF plain run at this size: compare with ours
+        reference = raw[ref_key][0].outputs if m.name != ref_name and ref_key in raw else None
+        results.append(summarize(m, b, raw[(b, m.name)], reference if m.name != "plain" else None))
+    plain = {r["batch_size"]: r["tokens_per_s_total"] for r in results if r["method"] == "plain"}
+    for r in results:
+        r["speedup_vs_plain"] = r["tokens_per_s_total"] / plain[r["batch_size"]] if r["batch_size"] in plain else None
+        if r["method"] == "plain":
+            r["greedy_mismatches"] = 0
+    return results
+
+
+def _write_partial(out_dir: Path, runs, raw) -> None:
+    from .report import _atomic_text
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _atomic_text(out_dir / "partial.json", json.dumps(_results(runs, raw), indent=2) + "\n")
 
 
 def measured_crossover(results: list[dict]) -> dict:
