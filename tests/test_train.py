@@ -203,3 +203,38 @@ def test_vocab_subset_covering_everything_equals_full_softmax(tiny, tmp_path):
                                                   loss__vocab_subset=0)))
     losses = [h["loss"] for h in small["history"]]
     assert losses[-1] < losses[0]
+
+
+def test_medusa2_lora_trains_adapter_and_heads(tiny, tmp_path):
+    from safetensors.torch import load_file
+    from train.config import load_config
+    from train.trainer import run_training
+
+    root, model, data = tiny
+    cfg = load_config(write_config(tmp_path / "c.yaml", model, data, tmp_path / "run", cache_hidden=False,
+                                   batch_size=4, max_steps=6, medusa2={"enabled": True, "heads_only_steps": 2,
+                                                                        "lora_r": 4, "target_modules": ["q_proj", "v_proj"]}))
+    result = run_training(cfg)
+    heads = tmp_path / "run" / "heads"
+    adapter = load_file(str(heads / "adapter" / "adapter_model.safetensors"))
+    lora_b = [v for k, v in adapter.items() if "lora_B" in k]
+    assert lora_b and any(float(v.abs().max()) > 0 for v in lora_b)  # B starts at zero: it trained
+    assert (tmp_path / "run" / "merged" / "config.json").exists() and result["merged_model"]
+    from medusa.runtime import Runtime
+
+    rt = Runtime.load(str(tmp_path / "run" / "merged"), heads=str(heads), dtype="fp32", device="cpu")
+    gen = rt.engine.generate([[5, 6, 7]], 8, rt.proposer("medusa", [[0], [0, 0]]))
+    assert len(gen.outputs[0].tokens) == 8
+
+
+def test_wandb_offline_writes_locally(tiny, tmp_path, monkeypatch):
+    from train.config import load_config
+    from train.trainer import run_training
+
+    root, model, data = tiny
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = load_config(write_config(tmp_path / "c.yaml", model, data, tmp_path / "run", max_steps=3,
+                                   wandb={"mode": "offline"}))
+    run_training(cfg)
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert os.environ.get("WANDB_MODE") == "offline"  # nothing was sent anywhere
