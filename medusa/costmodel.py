@@ -149,6 +149,7 @@ def measure_forward(model, batch_sizes: list[int], tokens: list[int], prefix: in
     """Median ms of one forward pass (plus the lm_head on every token: verification needs all logits)
     for each (B, T), rows holding `prefix` cached tokens."""
     out = []
+    head = getattr(model, "draft_head", None) or model.lm_head  # a draft may score a reduced vocabulary
     for b in batch_sizes:
         cache = model.new_cache(b, prefix + max(tokens))
         for t in tokens:
@@ -158,7 +159,7 @@ def measure_forward(model, batch_sizes: list[int], tokens: list[int], prefix: in
 
             def once():
                 cache.lens[:] = prefix
-                model.lm_head(model(ids, pos, cache, slice(0, b), mask))
+                head(model(ids, pos, cache, slice(0, b), mask))
 
             out.append((b, t, _median_ms(once, repeats, model.device)))
             if progress is not None:

@@ -78,6 +78,18 @@ def distil_here(rt, count: int, max_new: int, batch_size: int = 32, progress: bo
     return pairs
 
 
+def cached_answers(rt) -> list[tuple[list[int], list[int]]]:
+    import json
+
+    from .model import cache_dir
+
+    name = getattr(rt.hf_model, "name_or_path", "model").replace("/", "_")
+    out = []
+    for path in sorted((cache_dir() / "draft-distill").glob(f"{name}-*.json")):
+        out += [tuple(p) for p in json.loads(path.read_text())]
+    return out
+
+
 def make_examples(pairs, seq_len: int) -> list[tuple[list[int], list[int]]]:
     """(input ids, labels) with labels only on answer tokens (-100 elsewhere), cut to seq_len + 1."""
     out = []
@@ -114,9 +126,14 @@ def train_draft(model: str = "default", layers: int = 4, data: str | None = None
     torch.manual_seed(seed)
     rt = Runtime.load(model, heads="none", dtype="bf16")
     pairs = load_pairs(data) if data else find_distilled(model)
-    source = data or ("medusa distill dataset" if pairs else f"{distill_prompts} prompts distilled here")
+    source = data or (f"medusa distill dataset ({len(pairs)} answers)" if pairs else
+                      f"{distill_prompts} prompts distilled here")
     if not pairs:
         pairs = distil_here(rt, distill_prompts, max_new=min(seq_len, 128), progress=progress)
+    elif not data:  # answers distilled by earlier train-draft runs add to the shared dataset
+        extra = cached_answers(rt)
+        pairs += extra
+        source += f" + {len(extra)} cached answers" if extra else ""
     examples = make_examples(pairs, seq_len)
     if len(examples) < 2:
         raise MedusaError(f"--data: only {len(examples)} usable examples")
