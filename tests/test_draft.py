@@ -153,3 +153,21 @@ def test_embedded_draft_and_lookup_match_plain(embedded):
         spec = rt.engine.generate(prompts, 24, proposer)
         assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs], proposer.name
     assert spec.stats.mean_accepted > 1.0  # lookup finds the sentence it is asked to repeat
+
+
+def test_draft_training_helpers():
+    from medusa.draft_train import choose_vocab, collate, coverage, make_examples
+
+    pairs = [([1, 2, 3], [7, 7, 8, 9]), ([4] * 30, [5, 6])]
+    vocab = choose_vocab(pairs, 50, 5, always=[49])
+    assert vocab.tolist() == sorted(vocab.tolist()) and 49 in vocab.tolist()
+    assert {4, 7} <= set(vocab.tolist())  # the most frequent ids are kept
+    assert coverage(pairs, vocab) < 1.0 and coverage(pairs, None) == 1.0
+    ex = make_examples(pairs, seq_len=8)
+    assert ex[0] == ([1, 2, 3, 7, 7, 8, 9], [-100, -100, -100, 7, 7, 8, 9])
+    ids, labels = ex[1]
+    # The prompt's front is cut (8 tokens of context stay before the answer), then the tail.
+    assert ids == [4] * 8 + [5] and labels == [-100] * 8 + [5]
+    x, y = collate(ex, pad=0)
+    assert x.shape == y.shape == (2, 8) and y[0, :2].tolist() == [-100, -100] and y[0, 2] == 7
+    assert y[1, -1] == 5 and (y[1, :-1] == -100).all()
