@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -24,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from medusa.errors import MedusaError
 from medusa.runtime import Runtime
 from medusa.sampling import SamplingParams
-from medusa.tree import load_tree
+from medusa.tree import Tree, chain, load_tree
 
 from .config import ServeConfig
 from .metrics import Metrics
@@ -54,6 +55,20 @@ def error_response(exc: ApiError) -> JSONResponse:
                         headers=exc.headers)
 
 
+def tree_by_name(name: str) -> Tree:
+    """A shipped/file tree (`tree-16`, a path) or `chain-K`: the heads' top-1 tokens only, K deep (what pays
+    when the heads are weak or a tree costs too much)."""
+    m = re.fullmatch(r"chain-(\d+)", name)
+    if m:
+        if not 1 <= int(m.group(1)) <= 16:
+            raise MedusaError(f"policy.trees: {name}: chain depth must be 1..16")
+        return chain(int(m.group(1)))
+    try:
+        return load_tree(name)
+    except MedusaError as exc:
+        raise MedusaError(f"policy.trees: {exc}") from None
+
+
 def served_name(cfg: ServeConfig, rt: Runtime) -> str:
     if cfg.served_model_name:
         return cfg.served_model_name
@@ -73,7 +88,7 @@ class Server:
         self.medusa = {}
         if rt.heads is not None:
             for name in sorted(set(self.policy.trees.values())):
-                self.medusa[name] = rt.proposer("medusa", load_tree(name))
+                self.medusa[name] = rt.proposer("medusa", tree_by_name(name))
         self.draft = draft
         sizes = [p.tree.size for p in self.medusa.values()] + ([draft.tree.size] if draft is not None else [])
         self.scheduler = Scheduler(

@@ -102,7 +102,7 @@ def serve(rt, **overrides):
 def server(rt):
     # Dynamic policy with a low watermark: load changes during the tests switch between Medusa and plain.
     policy = {"mode": "dynamic", "high_watermark": 3, "low_watermark": 1, "min_tau": 1.0,
-              "trees": {1: "tree-32", 2: "tree-16", 4: "tree-8"}}
+              "trees": {1: "chain-2", 2: "tree-16", 4: "tree-8"}}
     with serve(rt, policy=policy, max_queue=64) as url:
         yield url
 
@@ -371,6 +371,15 @@ def test_cli_serves_a_model_directory(tmp_path, tokenizer):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("trees, words", [({1: "tree-7"}, "tree-7"), ({1: "chain-99"}, "chain depth")])
+def test_bad_tree_name_fails_at_startup(rt, trees, words):
+    from medusa.errors import MedusaError
+
+    with pytest.raises(MedusaError, match="policy.trees") as exc:
+        create_app(ServeConfig(dtype="fp32", policy={"trees": trees}), rt)
+    assert words in str(exc.value)
 
 
 def test_cli_bad_config_is_one_line_error(tmp_path, capsys):
