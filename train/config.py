@@ -93,6 +93,7 @@ class TrainConfig(_Strict):
     checkpoint_every: int = Field(default=200, gt=0)
     keep_checkpoints: int = Field(default=2, gt=0)
     log_every: int = Field(default=10, gt=0)
+    evaluate: bool = True                 # held-out accuracy (and trees) at the end of training
     eval_topk: int = Field(default=10, gt=0, le=50)
     tree_budgets: list[int] = Field(default_factory=lambda: [8, 16, 32, 64])
     write_trees: str | None = None        # directory for tree-{budget}.yaml (e.g. configs/trees)

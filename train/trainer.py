@@ -516,7 +516,7 @@ def finish(run: Run, eval_ex: list[dict], state: dict) -> dict:
         d.barrier()
         return result
     run.objective.eval()
-    report = evaluate(run, eval_ex)
+    report = evaluate(run, eval_ex) if cfg.evaluate else {}
     report["step"] = state.get("step")
     heads_dir = run.run_dir / "heads"
 
@@ -543,7 +543,7 @@ def finish(run: Run, eval_ex: list[dict], state: dict) -> dict:
 
         save_merged(run, run.run_dir / "merged")
         result["merged_model"] = str(run.run_dir / "merged")
-    if cfg.write_trees and report:
+    if cfg.write_trees and "rank_accuracy" in report:
         write_trees(report["rank_accuracy"], cfg.tree_budgets, Path(cfg.write_trees), str(heads_dir))
     d.barrier()
     result.update(accuracy=report.get("topk_accuracy", []), history=state.get("history", []), eval=report)
