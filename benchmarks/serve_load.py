@@ -180,6 +180,19 @@ def verdict(table: dict[str, dict[int, dict]], levels: list[int]) -> dict:
             "beats_off_somewhere": any(tput["dynamic"][lv] > tput["off"][lv] for lv in levels)}
 
 
+def markdown(table: dict[str, dict[int, dict]], levels: list[int]) -> str:
+    lines = ["| clients | " + " | ".join(f"{p} tok/s | {p} TPOT p50/p95 ms" for p in table) + " |",
+             "|---|" + "---|---|" * len(table)]
+    for lv in levels:
+        cells = []
+        for p in table:
+            r = table[p].get(lv)
+            cells += ["-", "-"] if r is None else [f"{r['tokens_per_s']:.1f}",
+                                                   f"{r['tpot_p50_ms']:.0f} / {r['tpot_p95_ms']:.0f}"]
+        lines.append(f"| {lv} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
@@ -218,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             s.stop()
     result = {"model": args.model, "heads": args.heads, "dtype": args.dtype, "max_tokens": args.max_tokens,
               "levels": levels, "results": table, "verdict": verdict(table, levels)}
+    print(markdown(table, levels))
     print(json.dumps(result["verdict"], indent=1))
     if args.out:
         tmp = Path(args.out).with_suffix(".tmp")
