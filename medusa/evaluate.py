@@ -318,6 +318,49 @@ def evaluate(cfg: EvalConfig, out_dir: Path, progress: bool = True) -> dict:
         torch.set_num_threads(threads)
 
 
+def finish_from_partial(cfg: EvalConfig, out_dir: Path, partial: Path, progress: bool = True) -> dict:
+    """Write the report (cost model included) from the per-run summaries an interrupted evaluation left
+    in partial.json: the runs it finished count, the rest are missing from the report."""
+    from .report import write_report
+    from .runtime import Runtime
+
+    if not partial.is_file():
+        raise MedusaError(f"--from-partial: {partial} does not exist")
+    results = [r for r in json.loads(partial.read_text()) if r.get("speedup_vs_plain")]
+    if not results:
+        raise MedusaError(f"--from-partial: {partial} holds no finished run with a plain reference")
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        needs_heads = any(r["kind"] == "medusa" for r in results)
+        rt = Runtime.load(cfg.model, cfg.heads if needs_heads else "none", cfg.dtype, cfg.device)
+        cfg = cfg.model_copy(update={"batch_sizes": sorted({r["batch_size"] for r in results})})
+        cost = build_cost_model(rt, cfg, Methods(rt, cfg), results, progress) if cfg.cost_model.enabled else {}
+        report = _report(rt, cfg, len(load_prompts_count(cfg)), results, cost)
+        report["interrupted"] = True
+        write_report(report, out_dir)
+        return report
+    finally:
+        torch.set_num_threads(threads)
+
+
+def load_prompts_count(cfg: EvalConfig) -> list[str]:
+    from .prompts import load_prompts
+
+    return load_prompts(cfg.prompts, cfg.max_prompts)
+
+
+def _report(rt, cfg: EvalConfig, num_prompts: int, results: list[dict], cost: dict) -> dict:
+    return {"model": getattr(rt.hf_model, "name_or_path", cfg.model), "device": str(rt.model.device),
+            "dtype": cfg.dtype, "threads": torch.get_num_threads(), "prompts": cfg.prompts,
+            "num_prompts": num_prompts, "max_new_tokens": cfg.max_new_tokens,
+            "batch_sizes": cfg.batch_sizes, "repeats": cfg.repeats,
+            "config": cfg.model_dump(), "results": results, "cost_model": cost,
+            "crossover": cost.get("crossover", {"medusa": None, "draft": None}),
+            "measured_crossover": measured_crossover(results)}
+
+
 def _evaluate(cfg: EvalConfig, out_dir: Path, progress: bool) -> dict:
     from tqdm import tqdm
 
@@ -357,13 +400,7 @@ def _evaluate(cfg: EvalConfig, out_dir: Path, progress: bool) -> dict:
     bar.close()
     results = _results(runs, raw)
     cost = build_cost_model(rt, cfg, methods, results, progress) if cfg.cost_model.enabled else {}
-    report = {"model": getattr(rt.hf_model, "name_or_path", cfg.model), "device": str(rt.model.device),
-              "dtype": cfg.dtype, "threads": torch.get_num_threads(), "prompts": cfg.prompts,
-              "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
-              "batch_sizes": cfg.batch_sizes, "repeats": cfg.repeats,
-              "config": cfg.model_dump(), "results": results, "cost_model": cost,
-              "crossover": cost.get("crossover", {"medusa": None, "draft": None}),
-              "measured_crossover": measured_crossover(results)}
+    report = _report(rt, cfg, len(prompts), results, cost)
     write_report(report, out_dir)
     return report
 
@@ -488,6 +525,8 @@ def add_parser(subparsers) -> None:
     e.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"])
     e.add_argument("--device", default=None)
     e.add_argument("--no-progress", action="store_true")
+    e.add_argument("--from-partial", default=None, metavar="PARTIAL_JSON",
+                   help="finish an interrupted evaluation: report (and cost model) from its partial.json")
     e.set_defaults(func=cmd_eval)
 
     c = subparsers.add_parser("crossover", help="recommended decoding regime per batch size")
@@ -525,7 +564,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
                  "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "model": args.model,
                  "heads": args.heads, "dtype": args.dtype, "device": args.device}
     cfg = load_config(args.config, overrides)
-    report = evaluate(cfg, Path(args.out), progress=not args.no_progress)
+    if args.from_partial:
+        report = finish_from_partial(cfg, Path(args.out), Path(args.from_partial), progress=not args.no_progress)
+    else:
+        report = evaluate(cfg, Path(args.out), progress=not args.no_progress)
     print(f"wrote {Path(args.out) / 'report.json'} and report.md ({len(report['results'])} runs)")
     bad = [r for r in report["results"] if r["greedy_mismatches"]]
     for r in bad:

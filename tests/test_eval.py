@@ -76,6 +76,14 @@ def test_eval_end_to_end_schema(tmp_path, capsys):
     for name in ("report.md", "speedup.png", "throughput.png", "acceptance.png", "predicted_vs_measured.png"):
         assert (out / name).stat().st_size > 0
     assert "| draft | 4 |" in (out / "report.md").read_text()
+    # An interrupted evaluation can still be finished from the summaries written after every run.
+    rc = main(["eval", "--config", str(tmp_path / "eval.yaml"), "--out", str(tmp_path / "again"),
+               "--from-partial", str(out / "partial.json"), "--no-progress"])
+    assert rc == 0
+    again = json.loads((tmp_path / "again" / "report.json").read_text())
+    validate(again)
+    assert again["interrupted"] and len(again["results"]) == len(report["results"])
+    assert set(again["cost_model"]["recommendation"]) == {"1", "4"}
 
 
 def test_prompts_fill_whole_batches():
