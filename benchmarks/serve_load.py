@@ -165,7 +165,8 @@ async def run_level(url: str, prompts: list[str], clients: int, requests: int, a
             "tokens": sum(r["tokens"] for r in ok), "seconds": wall,
             "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
             "tpot_p50_ms": 1000 * statistics.median(tpot) if tpot else float("nan"),
-            "tpot_p95_ms": 1000 * pct(tpot, 0.95), "ttft_p50_ms": 1000 * statistics.median(ttft) if ttft else float("nan")}
+            "tpot_p95_ms": 1000 * pct(tpot, 0.95),
+            "ttft_p50_ms": 1000 * statistics.median(ttft) if ttft else float("nan")}
 
 
 def verdict(table: dict[str, dict[int, dict]], levels: list[int]) -> dict:
