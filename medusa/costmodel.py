@@ -23,7 +23,6 @@ The crossover is the smallest batch size at which the predicted speedup is no lo
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -146,7 +145,7 @@ class Latency:
 @torch.inference_mode()
 def measure_forward(model, batch_sizes: list[int], tokens: list[int], prefix: int = 256,
                     repeats: int = 5, progress=None) -> list[tuple[int, int, float]]:
-    """Median ms of one forward pass (plus the lm_head on every token: verification needs all logits)
+    """Fastest ms of one forward pass (plus the lm_head on every token: verification needs all logits)
     for each (B, T), rows holding `prefix` cached tokens."""
     out = []
     head = getattr(model, "draft_head", None) or model.lm_head  # a draft may score a reduced vocabulary
@@ -161,7 +160,7 @@ def measure_forward(model, batch_sizes: list[int], tokens: list[int], prefix: in
                 cache.lens[:] = prefix
                 head(model(ids, pos, cache, slice(0, b), mask))
 
-            out.append((b, t, _median_ms(once, repeats, model.device)))
+            out.append((b, t, _fastest_ms(once, repeats, model.device)))
             if progress is not None:
                 progress.update(1)
     return out
@@ -170,15 +169,17 @@ def measure_forward(model, batch_sizes: list[int], tokens: list[int], prefix: in
 @torch.inference_mode()
 def measure_heads(heads, hidden_size: int, batch_sizes: list[int], topk: int, dtype, device,
                   repeats: int = 5) -> dict[int, float]:
-    """Median ms of the heads' forward plus the top-k a Medusa proposer takes, per batch size."""
+    """Fastest ms of the heads' forward plus the top-k a Medusa proposer takes, per batch size."""
     out = {}
     for b in batch_sizes:
         h = torch.randn(b, hidden_size, dtype=dtype, device=device)
-        out[b] = _median_ms(lambda: heads(h).topk(topk, dim=-1), repeats, device)
+        out[b] = _fastest_ms(lambda: heads(h).topk(topk, dim=-1), repeats, device)
     return out
 
 
-def _median_ms(fn, repeats: int, device) -> float:
+def _fastest_ms(fn, repeats: int, device) -> float:
+    """The fastest of `repeats` timings: other work on the machine only ever adds time, so the minimum is
+    the least disturbed estimate of the pass's own cost (a median still carries contention spikes)."""
     fn()  # warm-up
     times = []
     for _ in range(max(repeats, 1)):
@@ -189,7 +190,7 @@ def _median_ms(fn, repeats: int, device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
+    return min(times)
 
 
 # ---- predictions ------------------------------------------------------------------------------------
