@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from .errors import MedusaError
 from .heads import MedusaHeads
 from .tree import Tree, load_tree
 
@@ -36,6 +37,9 @@ class MedusaProposer:
         self.projection = projection  # the engine's (possibly packed) lm_head, for shared-projection heads
         self.tree = load_tree(tree) if isinstance(tree, str) else tree
         self.tree.check_heads(heads.config.num_heads)
+        if self.tree.topk > heads.config.vocab_size:
+            raise MedusaError(f"tree {self.tree.name!r} asks for each head's top-{self.tree.topk} tokens but the "
+                              f"vocabulary has only {heads.config.vocab_size}")
 
     @torch.inference_mode()
     def propose(self, batch: "Batch") -> torch.Tensor:

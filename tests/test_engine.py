@@ -11,6 +11,9 @@ from medusa.transformer import Transformer
 from medusa.tree import Tree, chain, load_tree
 
 MAX_NEW = 24
+# A fixed 16-node, 4-deep tree (the shipped trees follow the trained heads and may change shape).
+DEEP_TREE = Tree([[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
+                  [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [1, 0, 0, 0]], name="deep-16")
 
 
 def random_heads(model, num_heads=4, seed=0, std=0.3):
@@ -62,28 +65,29 @@ def test_plain_matches_hf_generate(setup, batch_size):
 
 
 @pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
-@pytest.mark.parametrize("tree", ["tree-8", "tree-16", "tree-64"])
+@pytest.mark.parametrize("tree", ["tree-8", "tree-16", "tree-64", "deep"])
 def test_medusa_random_heads_match_plain(setup, batch_size, tree):
     model, engine = setup
     prompts = mixed_prompts(batch_size, seed=batch_size)
     plain = engine.generate(prompts, MAX_NEW)
-    spec = engine.generate(prompts, MAX_NEW, MedusaProposer(random_heads(model), load_tree(tree)))
+    shape = DEEP_TREE if tree == "deep" else load_tree(tree)
+    spec = engine.generate(prompts, MAX_NEW, MedusaProposer(random_heads(model), shape))
     assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
     assert spec.stats.forward_passes <= plain.stats.forward_passes
 
 
 @pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
-@pytest.mark.parametrize("tree", ["tree-16", "chain"])
+@pytest.mark.parametrize("tree", ["deep", "chain"])
 def test_ragged_acceptance_matches_plain(setup, batch_size, tree):
     """Many tokens accepted, a different number per row and step: outputs still equal HF generate."""
     model, engine = setup
     prompts = mixed_prompts(batch_size, seed=10 + batch_size)
     reference = {i: hf_greedy(model, p, MAX_NEW) for i, p in enumerate(prompts)}
-    shape = chain(4) if tree == "chain" else load_tree(tree)
+    shape = chain(4) if tree == "chain" else DEEP_TREE
     spec = engine.generate(prompts, MAX_NEW, OracleProposer(shape, reference, model.config.vocab_size))
     assert [o.tokens for o in spec.outputs] == [reference[i] for i in range(batch_size)]
-    assert spec.stats.mean_accepted > 1.8  # the proposer really was accepted, several tokens at a time
-    assert len(set(spec.stats.accept_hist)) > 1
+    assert spec.stats.mean_accepted > 1.5  # the proposer really was accepted, several tokens at a time
+    assert sum(c > 0 for c in spec.stats.accept_hist) > 2  # rows and steps accepted different amounts
 
 
 def test_rows_finish_at_eos_at_different_steps():
@@ -97,7 +101,7 @@ def test_rows_finish_at_eos_at_different_steps():
     reference = [hf_greedy(model, p, MAX_NEW, eos=eos) for p in prompts]
     assert len({len(r) for r in reference}) > 2
     for proposer in (None, MedusaProposer(random_heads(model), load_tree("tree-16")),
-                     OracleProposer(load_tree("tree-16"), dict(enumerate(reference)), 97)):
+                     OracleProposer(DEEP_TREE, dict(enumerate(reference)), 97)):
         gen = engine.generate(prompts, MAX_NEW, proposer)
         assert [o.tokens for o in gen.outputs] == reference
         assert [o.reason for o in gen.outputs] == ["stop" if r[-1] == eos else "length" for r in reference]

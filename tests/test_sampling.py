@@ -89,7 +89,7 @@ def test_plain_sampling_matches_exact_distribution(small):
 @pytest.mark.parametrize("kind", ["tree", "chain"])
 def test_rejection_sampling_is_lossless(small, kind):
     model, engine = small
-    proposer = MedusaProposer(random_heads(model), load_tree("tree-8")) if kind == "tree" else SampledChain(3)
+    proposer = MedusaProposer(random_heads(model), load_tree("prior-8")) if kind == "tree" else SampledChain(3)
     counts = sample_pairs(engine, proposer, PARAMS)
     assert chi_square_pvalue(counts, exact_pairs(model, PARAMS)) > 1e-3
 
@@ -98,7 +98,7 @@ def test_typical_acceptance_is_not_lossless(small):
     """The same test rejects Medusa's typical acceptance, so the test above can fail."""
     model, engine = small
     params = SamplingParams(temperature=1.0, acceptance="typical", typical_epsilon=0.3, typical_delta=0.5)
-    proposer = MedusaProposer(random_heads(model), load_tree("tree-8"))
+    proposer = MedusaProposer(random_heads(model), load_tree("prior-8"))
     counts = sample_pairs(engine, proposer, params)
     assert chi_square_pvalue(counts, exact_pairs(model, params)) < 1e-6
 
@@ -108,7 +108,7 @@ def test_top_k_and_top_p_restrict_the_support(small):
     with torch.no_grad():
         first = torch.softmax(model(torch.tensor([PROMPT])).logits[0, -1], -1)
     order = first.argsort(descending=True).tolist()
-    proposer = MedusaProposer(random_heads(model), load_tree("tree-8"))
+    proposer = MedusaProposer(random_heads(model), load_tree("prior-8"))
     gen = engine.generate([PROMPT] * 400, 1, proposer, SamplingParams(temperature=1.0, top_k=2))
     assert {o.tokens[0] for o in gen.outputs} == set(order[:2])
     cut = float(first[order[0]]) + 1e-6  # top_p just above the top token's mass keeps exactly two tokens
@@ -118,7 +118,7 @@ def test_top_k_and_top_p_restrict_the_support(small):
 
 def test_seeded_runs_are_reproducible(small):
     model, engine = small
-    proposer = MedusaProposer(random_heads(model), load_tree("tree-16"))
+    proposer = MedusaProposer(random_heads(model), load_tree("prior-16"))
     params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
     a = engine.generate(mixed_prompts(3, vocab=V), 20, proposer, params)
     b = engine.generate(mixed_prompts(3, vocab=V)[::-1], 20, proposer, params[::-1])
@@ -134,7 +134,7 @@ def test_rows_with_different_temperatures_in_one_batch():
     heads = MedusaHeads(HeadsConfig(64, 97, 4, 1)).attach(model)
     params = [SamplingParams(), SamplingParams(temperature=1.5, seed=1), SamplingParams(),
               SamplingParams(temperature=0.7, acceptance="typical", seed=2)]
-    gen = engine.generate(prompts, 16, MedusaProposer(heads, load_tree("tree-16")), params)
+    gen = engine.generate(prompts, 16, MedusaProposer(heads, load_tree("prior-16")), params)
     for i in (0, 2):  # greedy rows stay token-identical to plain greedy decoding
         assert gen.outputs[i].tokens == hf_greedy(model, prompts[i], 16)
     assert gen.outputs[1].tokens != hf_greedy(model, prompts[1], 16)

@@ -63,7 +63,14 @@ def test_tree_deeper_than_heads_is_refused():
     model = tiny_model()
     heads = MedusaHeads(HeadsConfig(64, 97, num_heads=2)).attach(model)
     with pytest.raises(MedusaError, match="only 2 heads"):
-        MedusaProposer(heads, load_tree("tree-16"))
+        MedusaProposer(heads, Tree([[0], [0, 0], [0, 0, 0]]))
+
+
+def test_tree_wider_than_vocabulary_is_refused():
+    model = tiny_model(vocab=5)
+    heads = MedusaHeads(HeadsConfig(64, 5, num_heads=2)).attach(model)
+    with pytest.raises(MedusaError, match="top-6"):
+        MedusaProposer(heads, Tree([[0], [5]]))
 
 
 def test_unknown_tree_name(tmp_path):
