@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from medusa.config import read_yaml, validate
 from medusa.errors import MedusaError
 
 
@@ -118,28 +119,12 @@ class TrainConfig(_Strict):
 
 
 def parse_config(data: dict, where: str = "config") -> TrainConfig:
-    try:
-        return TrainConfig.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        key = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        msg = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "extra_forbidden":
-            msg = "unknown key"
-        raise MedusaError(f"{where}: {key}: {msg}") from None
+    return validate(TrainConfig, data, where)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML config; `overrides` are `a.b=value` strings (value parsed as YAML)."""
-    path = Path(path)
-    if not path.is_file():
-        raise MedusaError(f"--config: {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise MedusaError(f"--config: {path} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise MedusaError(f"--config: {path} must hold a mapping of keys")
+    data = read_yaml(path)
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep:
