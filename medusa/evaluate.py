@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .config import read_yaml
 from .errors import MedusaError
 
 OURS = ("plain", "medusa", "draft", "lookup")
@@ -90,17 +90,7 @@ class EvalConfig(BaseModel):
 
 
 def load_config(path: str | None, overrides: dict | None = None) -> EvalConfig:
-    data: dict = {}
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise MedusaError(f"--config: {path} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise MedusaError(f"--config: {path} is not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise MedusaError(f"--config: {path} must hold a mapping of settings")
+    data: dict = read_yaml(path) if path else {}
     data.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
         cfg = EvalConfig(**data)

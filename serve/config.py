@@ -6,12 +6,11 @@ never silently falls back to a default.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from medusa.config import read_yaml
 from medusa.errors import MedusaError
 
 PolicyMode = Literal["dynamic", "medusa", "draft", "plain"]
@@ -85,16 +84,7 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
     data: dict[str, Any] = {}
     source = "serve config"
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise MedusaError(f"--config: {path} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            raise MedusaError(f"--config: {path} is not valid YAML: {exc}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise MedusaError(f"--config: {path} must hold a mapping of keys to values")
-        data = loaded or {}
+        data = read_yaml(path)
         source = str(path)
     for key, value in (overrides or {}).items():
         if value is not None:
