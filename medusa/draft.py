@@ -24,11 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import MedusaError
-from . import transformer as _transformer
-from .transformer import KVCache, Transformer
-
-# The engine's CPU weight packing when available (a plain linear layer otherwise).
-_packed = getattr(_transformer, "_packed", lambda linear: linear)
+from .transformer import KVCache, Transformer, _packed
 from .tree import chain
 
 if TYPE_CHECKING:
