@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,6 +26,17 @@ def read_yaml(path: str | Path, flag: str = "--config") -> dict[str, Any]:
     if data is not None and not isinstance(data, dict):
         raise MedusaError(f"{flag}: {path} must hold a mapping of keys to values")
     return data or {}
+
+
+def read_json(path: str | Path, flag: str) -> Any:
+    """The value a JSON file holds, or a MedusaError naming the flag / key that pointed at it."""
+    p = Path(path)
+    if not p.is_file():
+        raise MedusaError(f"{flag}: {path} does not exist")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise MedusaError(f"{flag}: {path} is not valid JSON: {exc}") from None
 
 
 def validate(model: type[M], data: dict[str, Any], where: str) -> M:

@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .config import read_yaml
+from .config import read_json, read_yaml
 from .errors import MedusaError
 
 OURS = ("plain", "medusa", "draft", "lookup")
@@ -572,12 +572,7 @@ def cmd_crossover(args: argparse.Namespace) -> int:
         from .costmodel import predict
 
         path = Path(args.cost_model)
-        if not path.is_file():
-            raise MedusaError(f"--cost-model: {path} does not exist")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise MedusaError(f"--cost-model: {path} is not valid JSON: {exc}") from None
+        data = read_json(path, "--cost-model")
         data = data.get("cost_model", data)  # a whole report.json works too
         if "latency_ms" not in data:
             raise MedusaError(f"--cost-model: {path} has no 'latency_ms' (write it with `medusa eval`)")

@@ -26,12 +26,11 @@ recommendation for the current batch size.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 
+from medusa.config import read_json
 from medusa.errors import MedusaError
 
 from .config import PolicyConfig
@@ -54,13 +53,7 @@ class CostModel:
 
     @classmethod
     def load(cls, path: str) -> "CostModel":
-        p = Path(path)
-        if not p.is_file():
-            raise MedusaError(f"policy.cost_model: {path} does not exist")
-        try:
-            data = json.loads(p.read_text())
-        except json.JSONDecodeError as exc:
-            raise MedusaError(f"policy.cost_model: {path} is not valid JSON: {exc}") from None
+        data = read_json(path, "policy.cost_model")
         if isinstance(data, dict) and "recommendation" not in data and isinstance(data.get("cost_model"), dict):
             data = data["cost_model"]  # a whole `medusa eval` report.json
         rec = data.get("recommendation") if isinstance(data, dict) else None
