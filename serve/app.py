@@ -96,7 +96,6 @@ class Server:
             max_batch=cfg.max_batch, max_context=cfg.max_context, max_queue=cfg.max_queue,
             queue_timeout_s=cfg.queue_timeout_s, prefill_tokens_per_step=cfg.prefill_tokens_per_step,
             max_proposal_tokens=max(sizes, default=1))
-        self.warned_sampling = False
 
     def proposer_for(self, decision: Decision) -> Any:
         if decision.mode == "medusa":
@@ -154,9 +153,6 @@ class Server:
                                       seed=body.seed)
         except MedusaError as exc:
             raise ApiError(400, str(exc), "temperature") from None
-        if not sampling.greedy and not self.scheduler.sampling_supported and not self.warned_sampling:
-            log.warning("the engine does not sample yet: temperature > 0 requests are decoded greedily")
-            self.warned_sampling = True
         return Request(prompt, max_tokens, on_event, sampling, body.stop_list())
 
 

@@ -10,7 +10,6 @@ callback per request that must be thread-safe (the app hands in `loop.call_soon_
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import threading
@@ -76,7 +75,6 @@ class Scheduler:
         self.prefill_budget = prefill_tokens_per_step
         # Room past the longest request for the candidate block of one verification pass.
         self.capacity = max_context + max_proposal_tokens + 2
-        self.sampling_supported = "sampling" in inspect.signature(engine.add).parameters
         self.queue: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.cond = threading.Condition()
@@ -184,10 +182,7 @@ class Scheduler:
         for r in reqs:
             self.running[r.id] = r
         try:
-            if self.sampling_supported:
-                out = self.engine.add(self.batch, ids, prompts, limits, sampling=[r.sampling for r in reqs])
-            else:
-                out = self.engine.add(self.batch, ids, prompts, limits)
+            out = self.engine.add(self.batch, ids, prompts, limits, sampling=[r.sampling for r in reqs])
         except MedusaError as exc:
             # The engine checks its input before touching the batch: only these requests fail.
             for r in reqs:
