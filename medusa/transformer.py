@@ -108,14 +108,15 @@ class Transformer(nn.Module):
         bm = block_mask if block_mask.dim() == 3 else block_mask.expand(b, t, t)
         block_part = torch.gather(bm, 2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, window))
         mask = ((rel < 0)[:, None, :] | (in_block[:, None, :] & block_part))[:, None]  # [B, 1, T, L]
+        blocked = ~mask[:, :, None]  # [B, 1, 1, T, L], the form the decode attention wants
         slots = lens[:, None] + torch.arange(t, device=tokens.device)  # where this block's K/V go
         x = self.embed(tokens)
-        cos, sin = self.rotary(x, positions)
+        rope = _rope_tables(*self.rotary(x, positions))
         data = cache.data[:, :, rows, :, :window]
         row_idx = torch.arange(b, device=tokens.device)[:, None]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, data[i], row_idx, slots, mask)
-        return self.norm(x)
+            x = layer(x, rope, data[i], row_idx, slots, mask, blocked)
+        return _rms(x, self.norm)
 
 
 class _Layer(nn.Module):
@@ -128,31 +129,61 @@ class _Layer(nn.Module):
         self.k_norm = getattr(attn, "k_norm", None)
         self.nq = attn.q_proj.out_features // head_dim
         self.nkv = attn.k_proj.out_features // head_dim
-        # Fused projections: one matmul instead of three (and two) per layer.
+        # Fused projections: one matmul instead of three (and two) per layer; at batch size 1 each call
+        # costs more in fixed overhead than its weights take to read.
         self.wqkv = _packed(_fuse(attn.q_proj, attn.k_proj, attn.v_proj))
         self.wo = _packed(attn.o_proj)
         self.w13 = _packed(_fuse(mlp.gate_proj, mlp.up_proj))
         self.w2 = _packed(mlp.down_proj)
         self.scale = attn.scaling
 
-    def forward(self, x, cos, sin, kv, row_idx, slots, mask):
+    def forward(self, x, rope, kv, row_idx, slots, mask, blocked):
         b, t, _ = x.shape
-        d = self.head_dim
-        qkv = self.wqkv(self.ln1(x))
-        q, k, v = qkv.split([self.nq * d, self.nkv * d, self.nkv * d], dim=-1)
-        q = q.view(b, t, self.nq, d)
-        k = k.view(b, t, self.nkv, d)
-        v = v.view(b, t, self.nkv, d)
+        d, nq, nkv = self.head_dim, self.nq, self.nkv
+        qkv = self.wqkv(_rms(x, self.ln1)).view(b, t, nq + 2 * nkv, d)
+        qk, v = qkv[:, :, : nq + nkv], qkv[:, :, nq + nkv:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
-        kv[0][row_idx, :, slots] = k.transpose(1, 2)
-        kv[1][row_idx, :, slots] = v
-        o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=self.scale,
-                                           enable_gqa=self.nq != self.nkv)
-        x = x + self.wo(o.transpose(1, 2).reshape(b, t, self.nq * d))
-        gate, up = self.w13(self.ln2(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up)
+            qk = torch.cat([_rms(qk[:, :, :nq], self.q_norm), _rms(qk[:, :, nq:], self.k_norm)], dim=2)
+        qk = _rope(qk, *rope)  # q and k rotated in one go
+        # K and V of this block go after each row's prefix, in one indexed write for both.
+        kv[:, row_idx, :, slots] = torch.stack([qk[:, :, nq:], v], dim=2)
+        o = _attention(qk[:, :, :nq], kv[0], kv[1], mask, blocked, self.scale)
+        x = self.wo.plus(o, x)
+        gate, up = self.w13(_rms(x, self.ln2)).chunk(2, dim=-1)
+        return self.w2.plus(F.silu(gate) * up, x)
+
+
+def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """The model's RMSNorm as one fused op (the module itself runs about eight)."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               blocked: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, T, H, D] over the cache window k/v [B, KV, L, D] -> [B, T, H*D].
+
+    For the short blocks of decoding (one token or a candidate tree), two batched matmuls with the query
+    heads of each KV group stacked beat the fused CPU kernel several times over. On CPU a small pass runs
+    them in fp32, whose small-matrix kernels are about twice as fast as bf16's (a large batch would pay
+    more to convert its K/V window than it saves). Long prompt chunks go to
+    scaled_dot_product_attention, which does not materialise the [T, L] scores.
+    """
+    b, t, h, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    if t > 64:
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=g > 1)
+        return o.transpose(1, 2).reshape(b, t, h * d)
+    dtype = v.dtype
+    if q.device.type == "cpu" and b * t <= 16:
+        q, k, v = q.float(), k.float(), v.float()
+    q = q.reshape(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
+    scores = torch.matmul(q, k.transpose(-1, -2)).view(b, kvh, g, t, -1)
+    scores = scores.float().mul_(scale).masked_fill_(blocked, float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(v.dtype).view(b, kvh, g * t, -1)
+    o = torch.matmul(p, v).view(b, kvh, g, t, d)
+    return o.permute(0, 3, 1, 2, 4).reshape(b, t, h * d).to(dtype)
 
 
 def _fuse(*linears: nn.Linear) -> nn.Linear:
@@ -165,22 +196,43 @@ def _fuse(*linears: nn.Linear) -> nn.Linear:
     return fused.requires_grad_(False)
 
 
-class PackedLinear(nn.Module):
-    """A frozen bf16 linear layer whose weight is pre-packed for oneDNN on CPU.
+class Linear(nn.Module):
+    """A frozen linear layer with the epilogues the layer needs: `plus` (residual add), `silu`, `times`.
 
-    At batch size 1 a decode step is a chain of matrix-vector products; oneDNN's packed bf16 layout
-    reads the weights markedly faster than the generic path, and packing happens once at load.
+    On CPU in bf16 the weight is pre-packed for oneDNN once at load: at batch size 1 a decode step is a
+    chain of matrix-vector products and the packed layout reads the weights markedly faster than the
+    generic path; the epilogues then run inside the matmul instead of as separate ops. Elsewhere (CUDA,
+    fp32) it is a plain `F.linear` followed by the same elementwise op.
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, pack: bool):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1),
+        self.packed = pack
+        w = linear.weight.detach()
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(w, 1) if pack else w,
                              persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "swish", [], "")
+        return F.silu(F.linear(x, self.weight, self.bias))
+
+    def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "add")
+        return F.linear(x, self.weight, self.bias) + other
+
+    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "mul")
+        return F.linear(x, self.weight, self.bias) * other
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -189,12 +241,19 @@ def packing_available(weight: torch.Tensor) -> bool:
             and os.environ.get("MEDUSA_NO_PACK", "") in ("", "0"))
 
 
-def _packed(linear: nn.Linear) -> nn.Module:
-    return PackedLinear(linear) if packing_available(linear.weight) else linear
+def _packed(linear: nn.Linear) -> Linear:
+    return Linear(linear, pack=packing_available(linear.weight))
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, T, D] shaped for [B, T, H, D] tensors, with rotate_half's sign folded into sin."""
+    half = cos.shape[-1] // 2
+    signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return cos[:, :, None], signed[:, :, None]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x*cos + rotate_half(x)*sin for x [B, T, H, D], rotate_half being a swap of the two halves."""
+    b, t, h, d = x.shape
+    swapped = x.reshape(b, t, h, 2, d // 2).flip(3).view(b, t, h, d)
+    return torch.addcmul(x * cos, swapped, signed_sin)

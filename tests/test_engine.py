@@ -163,18 +163,24 @@ def test_remove_cancels_a_row():
     assert done[2] == hf_greedy(model, prompts[2], MAX_NEW)
 
 
-def test_packed_bf16_linear_matches_linear():
-    from medusa.transformer import PackedLinear, packing_available
+@pytest.mark.parametrize("pack", [False, True])
+def test_linear_epilogues_match_reference(pack):
+    from medusa.transformer import Linear, packing_available
 
     lin = torch.nn.Linear(64, 300, bias=True).to(torch.bfloat16)
-    if not packing_available(lin.weight):
+    if pack and not packing_available(lin.weight):
         pytest.skip("oneDNN bf16 packing is not available on this CPU")
-    packed = PackedLinear(lin)
-    for rows in (1, 7, 40):
-        x = torch.randn(rows, 64, dtype=torch.bfloat16)
-        assert torch.allclose(packed(x).float(), lin(x).float(), atol=2e-2, rtol=2e-2)
-    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)  # [B, T, H] inputs, as the engine passes them
-    assert packed(x).shape == (2, 5, 300)
+    fused = Linear(lin, pack=pack)
+    tol = dict(atol=3e-2, rtol=3e-2)
+    for shape in ((1, 64), (7, 64), (40, 64), (2, 5, 64)):  # [B, T, H] inputs, as the engine passes them
+        x = torch.randn(*shape, dtype=torch.bfloat16)
+        other = torch.randn(*shape[:-1], 300, dtype=torch.bfloat16)
+        ref = lin(x).float()
+        assert fused(x).shape == ref.shape
+        assert torch.allclose(fused(x).float(), ref, **tol)
+        assert torch.allclose(fused.silu(x).float(), torch.nn.functional.silu(ref), **tol)
+        assert torch.allclose(fused.plus(x, other).float(), ref + other.float(), **tol)
+        assert torch.allclose(fused.times(x, other).float(), ref * other.float(), **tol)
 
 
 def train_tiny_heads(model, num_heads=3, steps=300, seed=0):
