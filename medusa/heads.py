@@ -38,6 +38,9 @@ class HeadsConfig:
     num_layers: int = 1
     own_lm_head: bool = False
     base_model: str = ""
+    # > 0: the heads propose only these many token ids (the most frequent in their training answers,
+    # stored as `candidate_ids`), so a proposal reads that slice of the vocabulary matrix, not all of it.
+    candidates: int = 0
 
 
 class ResBlock(nn.Module):
@@ -67,6 +70,17 @@ class MedusaHeads(nn.Module):
                     head.weight.data.copy_(base_lm_head.weight.data)
         # Kept outside the module tree so that the frozen base weights are never saved or trained here.
         self._base = [base_lm_head]
+        self.register_buffer("candidate_ids", torch.zeros(config.candidates, dtype=torch.long)
+                             if config.candidates else None)
+        self._candidate_proj: nn.Module | None = None
+
+    def set_candidates(self, ids: torch.Tensor | None) -> None:
+        """Restrict proposals to `ids` (None: the whole vocabulary)."""
+        if ids is not None and self.lm_heads is not None:
+            raise MedusaError("a candidate vocabulary needs heads that share the base lm_head")
+        self.config.candidates = 0 if ids is None else len(ids)
+        self.candidate_ids = None if ids is None else ids.to(torch.long).clone()
+        self._candidate_proj = None
 
     @property
     def base_lm_head(self) -> nn.Module:
@@ -82,8 +96,12 @@ class MedusaHeads(nn.Module):
                 f"heads were made for hidden size {self.config.hidden_size} and vocabulary "
                 f"{self.config.vocab_size}, but the model has hidden size {hidden} and vocabulary {vocab}")
         self._base = [model.get_output_embeddings()]
+        self._candidate_proj = None
+        ids = self.candidate_ids
+        if ids is not None and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+            raise MedusaError(f"heads' candidate_ids reach outside the model's vocabulary of {vocab}")
         p = model.get_output_embeddings().weight
-        return self.to(device=p.device, dtype=p.dtype)
+        return self.to(device=p.device, dtype=p.dtype)  # integer buffers keep their dtype
 
     def forward(self, hidden: torch.Tensor, projection: nn.Module | None = None,
                 num_heads: int | None = None) -> torch.Tensor:
@@ -97,6 +115,22 @@ class MedusaHeads(nn.Module):
         if self.lm_heads is not None:
             return torch.stack([self.lm_heads[k](block(hidden)) for k, block in enumerate(blocks)])
         return (projection or self.base_lm_head)(torch.stack([block(hidden) for block in blocks]))
+
+    @torch.inference_mode()
+    def top_tokens(self, hidden: torch.Tensor, k: int, num_heads: int,
+                   projection: nn.Module | None = None) -> torch.Tensor:
+        """Each head's k most likely next tokens: hidden [n, H] -> token ids [num_heads, n, k]."""
+        if self.candidate_ids is None:
+            return self(hidden, projection, num_heads).topk(k, dim=-1).indices
+        if self._candidate_proj is None:
+            from .transformer import _packed
+
+            weight = self.base_lm_head.weight.detach()[self.candidate_ids]
+            lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+            lin.weight.data.copy_(weight)
+            self._candidate_proj = _packed(lin.requires_grad_(False))
+        h = torch.stack([block(hidden) for block in self.blocks[:num_heads]])
+        return self.candidate_ids[self._candidate_proj(h).topk(k, dim=-1).indices]
 
     # ---- saving and loading -------------------------------------------------------------------
     def save(self, directory: str | Path, medusa_layout: bool = False) -> Path:

@@ -37,14 +37,14 @@ class MedusaProposer:
         self.projection = projection  # the engine's (possibly packed) lm_head, for shared-projection heads
         self.tree = load_tree(tree) if isinstance(tree, str) else tree
         self.tree.check_heads(heads.config.num_heads)
-        if self.tree.topk > heads.config.vocab_size:
+        vocab = heads.config.candidates or heads.config.vocab_size
+        if self.tree.topk > vocab:
             raise MedusaError(f"tree {self.tree.name!r} asks for each head's top-{self.tree.topk} tokens but the "
-                              f"vocabulary has only {heads.config.vocab_size}")
+                              f"heads can propose only {vocab}")
 
     @torch.inference_mode()
     def propose(self, batch: "Batch") -> torch.Tensor:
         hidden = batch.hidden[: batch.n]
-        logits = self.heads(hidden, self.projection, self.tree.depth)  # [D, n, V]
-        top = logits.topk(self.tree.topk, dim=-1).indices  # [D, n, k]
+        top = self.heads.top_tokens(hidden, self.tree.topk, self.tree.depth, self.projection)  # [D, n, k]
         flat = top.permute(1, 0, 2).reshape(hidden.shape[0], -1)
         return flat[:, self.tree.buffers(hidden.device).cand_index]

@@ -24,6 +24,18 @@ def random_heads(model, num_heads=4, seed=0, std=0.3):
     return heads.attach(model)
 
 
+def test_medusa_with_candidate_vocabulary_matches_plain():
+    """Heads restricted to a token subset propose differently but the output stays plain greedy's."""
+    model = tiny_model()
+    engine = Engine(Transformer(model), eos_token_ids=None)
+    heads = random_heads(model)
+    heads.set_candidates(torch.arange(0, model.config.vocab_size, 2))
+    prompts = mixed_prompts(5)
+    plain = engine.generate(prompts, MAX_NEW)
+    spec = engine.generate(prompts, MAX_NEW, MedusaProposer(heads, DEEP_TREE))
+    assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
+
+
 class OracleProposer:
     """Proposes the known greedy continuation along rank-0 paths, wrong tokens elsewhere, and breaks the
     correct path at a random depth: rows accept different, known-to-vary numbers of tokens each step."""

@@ -117,10 +117,20 @@ def test_train_plain_path_and_kl_loss(tiny, tmp_path):
 
     root, model, data = tiny
     cfg = load_config(write_config(tmp_path / "c.yaml", model, data, tmp_path / "run", cache_hidden=False,
-                                   batch_size=4, epochs=1, loss__kind="kl"))
+                                   batch_size=4, epochs=1, loss__kind="kl", heads__candidates=16,
+                                   data__eval_fraction=0.0))  # every answer is a training answer
     result = run_training(cfg)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in result["history"])
-    assert (tmp_path / "run" / "heads" / "heads.safetensors").exists()
+    # heads.candidates: the exported heads propose only the 16 most frequent answer tokens
+    from medusa.heads import MedusaHeads
+    from train.distill import load_distilled
+
+    heads = MedusaHeads.load(tmp_path / "run" / "heads")
+    counts = torch.bincount(torch.tensor([t for r in load_distilled(data)["response_ids"] for t in r]))
+    assert heads.config.candidates == 16 and len(set(heads.candidate_ids.tolist())) == 16
+    rest = torch.ones_like(counts, dtype=torch.bool)
+    rest[heads.candidate_ids] = False
+    assert counts[heads.candidate_ids].min() >= counts[rest].max()
 
 
 def _train_cli(config: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:

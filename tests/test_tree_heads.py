@@ -158,3 +158,35 @@ def test_heads_for_other_hidden_size_are_refused():
 def test_heads_dir_without_heads(tmp_path):
     with pytest.raises(MedusaError, match="holds no heads"):
         MedusaHeads.load(tmp_path)
+
+
+def test_candidate_vocabulary_roundtrip_and_proposals(tmp_path):
+    model, heads = _random_heads(False)
+    ids = torch.tensor([3, 5, 8, 13, 21, 34, 55, 89])
+    heads.set_candidates(ids)
+    heads.save(tmp_path)
+    loaded = MedusaHeads.load(tmp_path).attach(model)
+    assert loaded.config.candidates == 8 and torch.equal(loaded.candidate_ids, ids)
+    x = torch.randn(6, 64)
+    top = loaded.top_tokens(x, 3, 3)
+    assert top.shape == (3, 6, 3) and torch.isin(top, ids).all()
+    # the proposals are the best-scoring candidates under the full projection
+    full = heads(x)[:, :, ids]
+    assert torch.equal(top, ids[full.topk(3, dim=-1).indices])
+    # without candidates: the whole vocabulary
+    heads.set_candidates(None)
+    assert torch.equal(heads.top_tokens(x, 3, 3), heads(x).topk(3, dim=-1).indices)
+
+
+def test_candidate_vocabulary_checks(tmp_path):
+    model, heads = _random_heads(False)
+    heads.set_candidates(torch.tensor([1, 2]))
+    with pytest.raises(MedusaError, match="only 2"):
+        MedusaProposer(heads, Tree([[0], [1], [2]]))
+    heads.set_candidates(torch.tensor([1, 500]))
+    heads.save(tmp_path)
+    with pytest.raises(MedusaError, match="outside the model's vocabulary"):
+        MedusaHeads.load(tmp_path).attach(model)
+    _, own = _random_heads(True)
+    with pytest.raises(MedusaError, match="share the base lm_head"):
+        own.set_candidates(torch.tensor([1, 2]))

@@ -36,6 +36,8 @@ class HeadsSection(_Strict):
     num_heads: int = Field(default=4, gt=0, le=16)
     num_layers: int = Field(default=1, gt=0, le=8)
     own_lm_head: bool = False
+    # Export heads that propose only the N most frequent answer tokens (a cheaper proposal step).
+    candidates: int | None = Field(default=None, gt=0)
 
 
 class LossConfig(_Strict):

@@ -139,6 +139,7 @@ class Run:
     lora_params: list = field(default_factory=list)    # Medusa-2: adapter parameters (own lr)
     save_adapter: object = None                        # Medusa-2: callables writing / reading the adapter
     load_adapter: object = None
+    answer_counts: torch.Tensor | None = None          # token frequencies of the training answers
 
 
 def run_training(cfg: TrainConfig, eval_only: bool = False, prepare_only: bool = False) -> dict:
@@ -279,10 +280,11 @@ def train_heads(run: Run, groups: list[tuple[str, list[dict]]], eval_only: bool)
             raise MedusaError(f"batch_size: {cfg.batch_size * cfg.grad_accum} sequences per step exceed the "
                               f"{len(train_ex)} training examples")
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
+    answers = table.tokens[table.answer] if table is not None else torch.tensor(
+        [t for e in train_ex for t, m in zip(e["input_ids"], e["loss_mask"]) if m], dtype=torch.long)
+    vocab = run.objective.projection[0].shape[0]
+    run.answer_counts = torch.bincount(answers, minlength=vocab)
     if cfg.loss.vocab_subset is not None:
-        answers = table.tokens[table.answer] if table is not None else torch.tensor(
-            [t for e in train_ex for t, m in zip(e["input_ids"], e["loss_mask"]) if m])
-        vocab = run.objective.projection[0].shape[0]
         run.objective.restrict_vocab(torch.cat([answers, torch.arange(min(cfg.loss.vocab_subset, vocab))]))
     stepper = Stepper(run, run.module, total)
     step = resume(run, stepper)
@@ -519,6 +521,10 @@ def finish(run: Run, eval_ex: list[dict], state: dict) -> dict:
     report = evaluate(run, eval_ex) if cfg.evaluate else {}
     report["step"] = state.get("step")
     heads_dir = run.run_dir / "heads"
+
+    if cfg.heads.candidates and run.answer_counts is not None:
+        top = torch.argsort(run.answer_counts, descending=True, stable=True)[: cfg.heads.candidates]
+        run.objective.heads.set_candidates(top.sort().values)
 
     def fill(tmp: Path) -> None:
         run.objective.heads.save(tmp)
