@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .config import read_json, read_yaml
 from .errors import MedusaError
+from .sampling import SamplingParams
 
 OURS = ("plain", "medusa", "draft", "lookup")
 HF = ("hf", "hf_assisted", "hf_lookup")
@@ -79,7 +80,25 @@ class EvalConfig(BaseModel):
                                  MethodSpec(method="hf_lookup", k=10)]
     hf_batch_sizes: list[int] = [1]   # HF plain generate() is slow on CPU: only these batch sizes
     hf_repeats: int | None = Field(default=None, ge=1)  # fewer rounds for the (slow) HF anchors
+    # Sampled decoding (temperature > 0): every method samples; speculative methods accept by `acceptance`
+    # (rejection: the target's distribution exactly; typical: more tokens, not lossless). Outputs then
+    # differ run to run, so greedy_mismatches is not computed.
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    acceptance: Literal["rejection", "typical"] = "rejection"
+    seed: int = 0
     cost_model: CostModelSpec = CostModelSpec()
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
+
+    def sampling(self, request: int) -> SamplingParams | None:
+        """Request `request`'s parameters (seeded per request: the same draws whatever its batch)."""
+        if not self.sampled:
+            return None
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, acceptance=self.acceptance,
+                              seed=self.seed * 1_000_003 + request)
 
     @field_validator("batch_sizes", "hf_batch_sizes")
     @classmethod
@@ -125,8 +144,10 @@ def prompts_for_batch(prompts: list[list[int]], batch: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] for i in range(count)]
 
 
-def run_engine(engine, prompts: list[list[int]], batch: int, max_new: int, proposer) -> RunResult:
-    """Decode `prompts` in consecutive batches of `batch` rows with the step API, timing each request."""
+def run_engine(engine, prompts: list[list[int]], batch: int, max_new: int, proposer,
+               sampling=None) -> RunResult:
+    """Decode `prompts` in consecutive batches of `batch` rows with the step API, timing each request.
+    `sampling(i)` gives request i's SamplingParams (None: greedy)."""
     outputs: dict[int, list[int]] = {}
     finish: dict[int, float] = {}
     hist: list[int] = []
@@ -138,7 +159,9 @@ def run_engine(engine, prompts: list[list[int]], batch: int, max_new: int, propo
         capacity = max(len(p) for p in chunk) + max_new + extra + 1
         b = engine.new_batch(len(chunk), capacity, max_new)
         t0 = time.perf_counter()
-        done = list(engine.add(b, list(range(start, start + len(chunk))), chunk, max_new).finished)
+        ids = list(range(start, start + len(chunk)))
+        params = [sampling(i) for i in ids] if sampling is not None else None
+        done = list(engine.add(b, ids, chunk, max_new, params).finished)
         for f in done:
             finish[f.id] = time.perf_counter() - t0
         while b.n:
@@ -159,12 +182,16 @@ def run_engine(engine, prompts: list[list[int]], batch: int, max_new: int, propo
                      sum(len(outputs[i]) for i in order), hist, row_steps)
 
 
-def run_hf(rt, prompts: list[list[int]], batch: int, max_new: int, spec: MethodSpec, draft_hf=None) -> RunResult:
-    """HF `generate()` (plain, assisted or prompt lookup), greedy; batches are left-padded."""
+def run_hf(rt, prompts: list[list[int]], batch: int, max_new: int, spec: MethodSpec, draft_hf=None,
+           sampling: SamplingParams | None = None) -> RunResult:
+    """HF `generate()` (plain, assisted or prompt lookup), greedy or sampled; batches are left-padded."""
     eos = rt.engine.eos.tolist()
     pad = rt.tokenizer.pad_token_id if rt.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     kwargs: dict = {"do_sample": False, "max_new_tokens": max_new, "min_new_tokens": 0,
                     "eos_token_id": eos or None, "pad_token_id": pad}
+    if sampling is not None:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+        torch.manual_seed(sampling.seed or 0)
     if spec.method == "hf_assisted":
         draft_hf.generation_config.num_assistant_tokens = spec.k or 4
         draft_hf.generation_config.num_assistant_tokens_schedule = "constant"
@@ -238,8 +265,9 @@ class Methods:
     def run(self, m: MethodSpec, prompts: list[list[int]], batch: int, max_new: int) -> RunResult:
         if m.method in HF:
             draft = self.draft_hf(m.draft or "default") if m.method == "hf_assisted" else None
-            return run_hf(self.rt, prompts, batch, max_new, m, draft)
-        return run_engine(self.rt.engine, prompts, batch, max_new, self.proposer(m))
+            return run_hf(self.rt, prompts, batch, max_new, m, draft, self.cfg.sampling(0))
+        return run_engine(self.rt.engine, prompts, batch, max_new, self.proposer(m),
+                          self.cfg.sampling if self.cfg.sampled else None)
 
 
 def planned_runs(cfg: EvalConfig) -> list[tuple[int, MethodSpec]]:
@@ -346,6 +374,8 @@ def _report(rt, cfg: EvalConfig, num_prompts: int, results: list[dict], cost: di
             "dtype": cfg.dtype, "threads": torch.get_num_threads(), "prompts": cfg.prompts,
             "num_prompts": num_prompts, "max_new_tokens": cfg.max_new_tokens,
             "batch_sizes": cfg.batch_sizes, "repeats": cfg.repeats,
+            "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "acceptance": cfg.acceptance}
+            if cfg.sampled else None,
             "config": cfg.model_dump(), "results": results, "cost_model": cost,
             "crossover": cost.get("crossover", {"medusa": None, "draft": None}),
             "measured_crossover": measured_crossover(results)}
@@ -386,16 +416,16 @@ def _evaluate(cfg: EvalConfig, out_dir: Path, progress: bool) -> dict:
             raw.setdefault((b, m.name), []).append(methods.run(m, prompts_for_batch(prompts, b), b,
                                                                cfg.max_new_tokens))
             bar.update(1)
-            _write_partial(out_dir, runs, raw)  # a long run that dies late still leaves its measurements
+            _write_partial(out_dir, runs, raw, cfg.sampled)  # a long run that dies late still leaves its measurements
     bar.close()
-    results = _results(runs, raw)
+    results = _results(runs, raw, cfg.sampled)
     cost = build_cost_model(rt, cfg, methods, results, progress) if cfg.cost_model.enabled else {}
     report = _report(rt, cfg, len(prompts), results, cost)
     write_report(report, out_dir)
     return report
 
 
-def _results(runs: list[tuple[int, MethodSpec]], raw: dict) -> list[dict]:
+def _results(runs: list[tuple[int, MethodSpec]], raw: dict, sampled: bool = False) -> list[dict]:
     """Summaries of every (batch size, method) that has runs, with speedups over plain."""
     results = []
     for b, m in runs:
@@ -405,21 +435,21 @@ def _results(runs: list[tuple[int, MethodSpec]], raw: dict) -> list[dict]:
         ref_key = (b, ref_name)
         if m.method in HF and ref_key not in raw:
             ref_key = (b, "plain")  # no HF plain run at this size: compare with ours
-        reference = raw[ref_key][0].outputs if m.name != ref_name and ref_key in raw else None
+        reference = raw[ref_key][0].outputs if m.name != ref_name and ref_key in raw and not sampled else None
         results.append(summarize(m, b, raw[(b, m.name)], reference if m.name != "plain" else None))
     plain = {r["batch_size"]: r["tokens_per_s_total"] for r in results if r["method"] == "plain"}
     for r in results:
         r["speedup_vs_plain"] = r["tokens_per_s_total"] / plain[r["batch_size"]] if r["batch_size"] in plain else None
-        if r["method"] == "plain":
+        if r["method"] == "plain" and not sampled:
             r["greedy_mismatches"] = 0
     return results
 
 
-def _write_partial(out_dir: Path, runs, raw) -> None:
+def _write_partial(out_dir: Path, runs, raw, sampled: bool) -> None:
     from .report import _atomic_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_text(out_dir / "partial.json", json.dumps(_results(runs, raw), indent=2) + "\n")
+    _atomic_text(out_dir / "partial.json", json.dumps(_results(runs, raw, sampled), indent=2) + "\n")
 
 
 def measured_crossover(results: list[dict]) -> dict:
@@ -514,6 +544,9 @@ def add_parser(subparsers) -> None:
     e.add_argument("--heads", default=None)
     e.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"])
     e.add_argument("--device", default=None)
+    e.add_argument("--temperature", type=float, default=None, help="sample at this temperature (0: greedy)")
+    e.add_argument("--acceptance", default=None, choices=["rejection", "typical"],
+                   help="how sampled speculation accepts candidates")
     e.add_argument("--no-progress", action="store_true")
     e.add_argument("--from-partial", default=None, metavar="PARTIAL_JSON",
                    help="finish an interrupted evaluation: report (and cost model) from its partial.json")
@@ -552,7 +585,8 @@ def add_parser(subparsers) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     overrides = {"max_prompts": args.max_prompts, "batch_sizes": args.batch_sizes,
                  "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "model": args.model,
-                 "heads": args.heads, "dtype": args.dtype, "device": args.device}
+                 "heads": args.heads, "dtype": args.dtype, "device": args.device,
+                 "temperature": args.temperature, "acceptance": args.acceptance}
     cfg = load_config(args.config, overrides)
     if args.from_partial:
         report = finish_from_partial(cfg, Path(args.out), Path(args.from_partial), progress=not args.no_progress)

@@ -1,14 +1,16 @@
 """Evaluation output: report.json (schema below), report.md (tables) and PNG plots, all written atomically.
 
 report.json
-    model, device, dtype, threads, prompts, num_prompts, max_new_tokens, batch_sizes, repeats, config
+    model, device, dtype, threads, prompts, num_prompts, max_new_tokens, batch_sizes, repeats, config,
+    sampling ({temperature, top_p, acceptance}, or null when greedy)
     results: one entry per (method, batch size):
         method, kind (plain|medusa|draft|lookup|hf|hf_assisted|hf_lookup), batch_size,
         tokens_per_s_per_user, tokens_per_s_total (+ _min/_max over repeats), time_per_output_token_ms,
         seconds, new_tokens, repeats, mean_accepted (tau; null for HF), acceptance_by_head (list; null for
         HF), speedup_vs_plain (total throughput over ours at the same batch size), greedy_mismatches
         (outputs differing from the reference: our plain for our methods, HF plain for HF's),
-        first_divergence (for each differing output, the index of its first differing token)
+        first_divergence (for each differing output, the index of its first differing token); both null
+        in a sampled run
     cost_model: latency_ms {target, draft: {grid [[B, T, ms]], fit {a_ms, b_ms_per_row, c_ms_per_token,
         max_rel_error}}, heads {B: ms}}, acceptance, predicted {B: {plain, medusa, draft, ...}},
         analytic {B: {c, speedup}}, recommendation {B: medusa|draft|plain}, best_tree {B: name},

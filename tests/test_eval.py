@@ -86,6 +86,30 @@ def test_eval_end_to_end_schema(tmp_path, capsys):
     assert set(again["cost_model"]["recommendation"]) == {"1", "4"}
 
 
+def test_eval_sampled(tmp_path, capsys):
+    """--temperature: every method samples, medusa by rejection; the report says so and skips equality."""
+    model_dir, heads_dir, prompts = tiny_checkpoint(tmp_path)
+    cfg = {"model": str(model_dir), "heads": str(heads_dir), "dtype": "fp32", "device": "cpu",
+           "prompts": str(prompts), "raw_prompts": True, "max_new_tokens": 10, "repeats": 1, "threads": 1,
+           "batch_sizes": [1, 4], "methods": [{"method": "plain"}, {"method": "medusa", "tree": "tree-8"},
+                                               {"method": "hf"}],
+           "cost_model": {"enabled": False}}
+    (tmp_path / "eval.yaml").write_text(yaml.safe_dump(cfg))
+    rc = main(["eval", "--config", str(tmp_path / "eval.yaml"), "--out", str(tmp_path / "out"),
+               "--temperature", "0.8", "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    validate(report)
+    assert report["sampling"] == {"temperature": 0.8, "top_p": 1.0, "acceptance": "rejection"}
+    assert all(r["greedy_mismatches"] is None for r in report["results"])
+    medusa = [r for r in report["results"] if r["kind"] == "medusa"]
+    assert medusa and all(r["mean_accepted"] >= 1.0 for r in medusa)
+    from medusa.evaluate import load_config as load_eval
+
+    with pytest.raises(MedusaError, match="temperature"):
+        load_eval(str(tmp_path / "eval.yaml"), {"temperature": -1})
+
+
 def test_prompts_fill_whole_batches():
     assert prompts_for_batch([[1], [2], [3]], 2) == [[1], [2], [3], [1]]
     assert prompts_for_batch([[1], [2]], 4) == [[1], [2], [1], [2]]
