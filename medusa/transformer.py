@@ -108,14 +108,14 @@ class Transformer(nn.Module):
         bm = block_mask if block_mask.dim() == 3 else block_mask.expand(b, t, t)
         block_part = torch.gather(bm, 2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, window))
         mask = ((rel < 0)[:, None, :] | (in_block[:, None, :] & block_part))[:, None]  # [B, 1, T, L]
-        blocked = ~mask[:, :, None]  # [B, 1, 1, T, L], the form the decode attention wants
+        bias = _short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv, self.dtype) if t <= SHORT_BLOCK else None
         slots = lens[:, None] + torch.arange(t, device=tokens.device)  # where this block's K/V go
         x = self.embed(tokens)
         rope = _rope_tables(*self.rotary(x, positions))
         data = cache.data[:, :, rows, :, :window]
         row_idx = torch.arange(b, device=tokens.device)[:, None]
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, data[i], row_idx, slots, mask, blocked)
+            x = layer(x, rope, data[i], row_idx, slots, mask, bias)
         return _rms(x, self.norm)
 
 
@@ -137,7 +137,7 @@ class _Layer(nn.Module):
         self.w2 = _packed(mlp.down_proj)
         self.scale = attn.scaling
 
-    def forward(self, x, rope, kv, row_idx, slots, mask, blocked):
+    def forward(self, x, rope, kv, row_idx, slots, mask, bias):
         b, t, _ = x.shape
         d, nq, nkv = self.head_dim, self.nq, self.nkv
         qkv = self.wqkv(_rms(x, self.ln1)).view(b, t, nq + 2 * nkv, d)
@@ -147,7 +147,7 @@ class _Layer(nn.Module):
         qk = _rope(qk, *rope)  # q and k rotated in one go
         # K and V of this block go after each row's prefix, in one indexed write for both.
         kv[:, row_idx, :, slots] = torch.stack([qk[:, :, nq:], v], dim=2)
-        o = _attention(qk[:, :, :nq], kv[0], kv[1], mask, blocked, self.scale)
+        o = _attention(qk[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
         x = self.wo.plus(o, x)
         gate, up = self.w13(_rms(x, self.ln2)).chunk(2, dim=-1)
         return self.w2.plus(F.silu(gate) * up, x)
@@ -158,31 +158,47 @@ def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
+SHORT_BLOCK = 64  # passes of at most this many tokens per row use the matmul attention below
+
+
+def _fp32_attention(q: torch.Tensor, b: int, t: int) -> bool:
+    """On CPU a small pass attends in fp32: its small-matrix kernels are about twice as fast as bf16's at
+    decode shapes (a large batch would pay more to convert its K/V window than it saves)."""
+    return q.device.type == "cpu" and b * t <= 16
+
+
+def _short_block_bias(mask: torch.Tensor, kvh: int, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """The pass mask [B, 1, T, L] as the additive [B*KV, G*T, L] term of `_attention`'s score matmul,
+    built once per pass for all layers."""
+    b, _, t, window = mask.shape
+    dt = torch.float32 if _fp32_attention(mask, b, t) else dtype
+    bias = torch.zeros(b, 1, 1, t, window, dtype=dt, device=mask.device)
+    bias.masked_fill_(~mask[:, :, None], float("-inf"))
+    return bias.expand(b, kvh, g, t, window).reshape(b * kvh, g * t, window)
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-               blocked: torch.Tensor, scale: float) -> torch.Tensor:
+               bias: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q [B, T, H, D] over the cache window k/v [B, KV, L, D] -> [B, T, H*D].
 
-    For the short blocks of decoding (one token or a candidate tree), two batched matmuls with the query
-    heads of each KV group stacked beat the fused CPU kernel several times over. On CPU a small pass runs
-    them in fp32, whose small-matrix kernels are about twice as fast as bf16's (a large batch would pay
-    more to convert its K/V window than it saves). Long prompt chunks go to
-    scaled_dot_product_attention, which does not materialise the [T, L] scores.
+    For the short blocks of decoding (one token or a candidate tree), batched matmuls with the query heads
+    of each KV group stacked, the scale and the mask folded into the first (`bias`), beat the fused CPU
+    kernel several times over. Long prompt chunks go to scaled_dot_product_attention, which does not
+    materialise the [T, L] scores.
     """
     b, t, h, d = q.shape
-    kvh = k.shape[1]
+    kvh, window = k.shape[1], k.shape[2]
     g = h // kvh
-    if t > 64:
+    if bias is None:
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=g > 1)
         return o.transpose(1, 2).reshape(b, t, h * d)
     dtype = v.dtype
-    if q.device.type == "cpu" and b * t <= 16:
-        q, k, v = q.float(), k.float(), v.float()
-    q = q.reshape(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
-    scores = torch.matmul(q, k.transpose(-1, -2)).view(b, kvh, g, t, -1)
-    scores = scores.float().mul_(scale).masked_fill_(blocked, float("-inf"))
-    p = torch.softmax(scores, dim=-1).to(v.dtype).view(b, kvh, g * t, -1)
-    o = torch.matmul(p, v).view(b, kvh, g, t, d)
+    q, k, v = q.to(bias.dtype), k.to(bias.dtype), v.to(bias.dtype)
+    q = q.reshape(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b * kvh, g * t, d)
+    scores = torch.baddbmm(bias, q, k.reshape(b * kvh, window, d).transpose(1, 2), alpha=scale)
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    o = torch.bmm(p, v.reshape(b * kvh, window, d)).view(b, kvh, g, t, d)
     return o.permute(0, 3, 1, 2, 4).reshape(b, t, h * d).to(dtype)
 
 
