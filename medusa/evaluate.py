@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .config import read_json, read_yaml
 from .errors import MedusaError
 from .sampling import SamplingParams
+from .tree import DEFAULT_TREE
 
 OURS = ("plain", "medusa", "draft", "lookup")
 HF = ("hf", "hf_assisted", "hf_lookup")
@@ -47,7 +48,7 @@ class MethodSpec(BaseModel):
         if self.label:
             return self.label
         if self.method == "medusa":
-            return f"medusa:{Path(self.tree or 'tree-16').stem}"
+            return f"medusa:{Path(self.tree or DEFAULT_TREE).stem}"
         return self.method
 
 
@@ -73,7 +74,7 @@ class EvalConfig(BaseModel):
     repeats: int = Field(default=3, ge=1)
     warmup: bool = True
     threads: int | None = Field(default=None, ge=1)
-    methods: list[MethodSpec] = [MethodSpec(method="plain"), MethodSpec(method="medusa", tree="tree-16"),
+    methods: list[MethodSpec] = [MethodSpec(method="plain"), MethodSpec(method="medusa", tree=DEFAULT_TREE),
                                  MethodSpec(method="draft", draft="default", k=4),
                                  MethodSpec(method="lookup", k=8),
                                  MethodSpec(method="hf"), MethodSpec(method="hf_assisted", draft="default", k=4),
@@ -309,7 +310,7 @@ def summarize(m: MethodSpec, batch: int, results: list[RunResult], reference: li
         if m.method == "lookup":
             row["k"] = m.k or 8
         if m.method == "medusa":
-            row["tree"] = m.tree or "tree-16"
+            row["tree"] = m.tree or DEFAULT_TREE
     row["greedy_mismatches"] = None
     if reference is not None:
         mismatches = [sum(a != b for a, b in zip(r.outputs, reference)) for r in results]

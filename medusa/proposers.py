@@ -12,7 +12,7 @@ import torch
 
 from .errors import MedusaError
 from .heads import MedusaHeads
-from .tree import Tree, load_tree
+from .tree import DEFAULT_TREE, Tree, load_tree
 
 if TYPE_CHECKING:
     from .engine import Batch
@@ -32,7 +32,7 @@ class MedusaProposer:
 
     name = "medusa"
 
-    def __init__(self, heads: MedusaHeads, tree: Tree | str = "tree-16", projection: torch.nn.Module | None = None):
+    def __init__(self, heads: MedusaHeads, tree: Tree | str = DEFAULT_TREE, projection: torch.nn.Module | None = None):
         self.heads = heads
         self.projection = projection  # the engine's (possibly packed) lm_head, for shared-projection heads
         self.tree = load_tree(tree) if isinstance(tree, str) else tree

@@ -16,9 +16,8 @@ from .heads import SHIPPED_DIR, MedusaHeads
 from .model import DEFAULT_MODEL, default_device, load_target
 from .proposers import MedusaProposer, Proposer
 from .transformer import Transformer
-from .tree import Tree, load_tree
+from .tree import DEFAULT_TREE, Tree, load_tree
 
-DEFAULT_TREE = "tree-16"
 
 
 @dataclass

@@ -27,7 +27,7 @@ class PolicyConfig(BaseModel):
     high_watermark: int = Field(8, ge=1)
     low_watermark: int = Field(4, ge=0)
     # Medusa tree per running batch size: the largest key <= batch size applies.
-    trees: dict[int, str] = Field(default_factory=lambda: {1: "tree-32", 4: "tree-16", 8: "tree-8"})
+    trees: dict[int, str] = Field(default_factory=lambda: {1: "tree-8"})
     # Acceptance gate (per batch-size bucket): mean tokens per row-step (tau) over the last `window`
     # speculative steps; below max(min_tau, measured spec/plain step-time ratio) speculation pauses for
     # `retry_after_steps` steps (doubling on repeated failure) and is then tried again.
