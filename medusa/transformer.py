@@ -161,17 +161,17 @@ def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 SHORT_BLOCK = 64  # passes of at most this many tokens per row use the matmul attention below
 
 
-def _fp32_attention(q: torch.Tensor, b: int, t: int) -> bool:
+def _fp32_attention(device: torch.device, b: int, t: int) -> bool:
     """On CPU a small pass attends in fp32: its small-matrix kernels are about twice as fast as bf16's at
     decode shapes (a large batch would pay more to convert its K/V window than it saves)."""
-    return q.device.type == "cpu" and b * t <= 16
+    return device.type == "cpu" and b * t <= 16
 
 
 def _short_block_bias(mask: torch.Tensor, kvh: int, g: int, dtype: torch.dtype) -> torch.Tensor:
     """The pass mask [B, 1, T, L] as the additive [B*KV, G*T, L] term of `_attention`'s score matmul,
     built once per pass for all layers."""
     b, _, t, window = mask.shape
-    dt = torch.float32 if _fp32_attention(mask, b, t) else dtype
+    dt = torch.float32 if _fp32_attention(mask.device, b, t) else dtype
     bias = torch.zeros(b, 1, 1, t, window, dtype=dt, device=mask.device)
     bias.masked_fill_(~mask[:, :, None], float("-inf"))
     return bias.expand(b, kvh, g, t, window).reshape(b * kvh, g * t, window)
@@ -213,12 +213,12 @@ def _fuse(*linears: nn.Linear) -> nn.Linear:
 
 
 class Linear(nn.Module):
-    """A frozen linear layer with the epilogues the layer needs: `plus` (residual add), `silu`, `times`.
+    """A frozen linear layer, with the residual add (`plus`) available as a fused epilogue.
 
     On CPU in bf16 the weight is pre-packed for oneDNN once at load: at batch size 1 a decode step is a
     chain of matrix-vector products and the packed layout reads the weights markedly faster than the
-    generic path; the epilogues then run inside the matmul instead of as separate ops. Elsewhere (CUDA,
-    fp32) it is a plain `F.linear` followed by the same elementwise op.
+    generic path, and the residual add then runs inside the matmul instead of as a separate op. Elsewhere
+    (CUDA, fp32) it is a plain `F.linear` followed by the add.
     """
 
     def __init__(self, linear: nn.Linear, pack: bool):
@@ -235,20 +235,10 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def silu(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "swish", [], "")
-        return F.silu(F.linear(x, self.weight, self.bias))
-
     def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "add")
         return F.linear(x, self.weight, self.bias) + other
-
-    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "mul")
-        return F.linear(x, self.weight, self.bias) * other
 
 
 def packing_available(weight: torch.Tensor) -> bool:

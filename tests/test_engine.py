@@ -176,7 +176,7 @@ def test_remove_cancels_a_row():
 
 
 @pytest.mark.parametrize("pack", [False, True])
-def test_linear_epilogues_match_reference(pack):
+def test_linear_and_fused_residual_match_reference(pack):
     from medusa.transformer import Linear, packing_available
 
     lin = torch.nn.Linear(64, 300, bias=True).to(torch.bfloat16)
@@ -190,9 +190,7 @@ def test_linear_epilogues_match_reference(pack):
         ref = lin(x).float()
         assert fused(x).shape == ref.shape
         assert torch.allclose(fused(x).float(), ref, **tol)
-        assert torch.allclose(fused.silu(x).float(), torch.nn.functional.silu(ref), **tol)
         assert torch.allclose(fused.plus(x, other).float(), ref + other.float(), **tol)
-        assert torch.allclose(fused.times(x, other).float(), ref * other.float(), **tol)
 
 
 def train_tiny_heads(model, num_heads=3, steps=300, seed=0):
