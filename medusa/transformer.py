@@ -50,11 +50,11 @@ class KVCache:
         lens = self.lens[rows]
         n = src.shape[1]
         if not torch.equal(src, torch.arange(n, device=src.device).expand_as(src)):
-            view = self.data[:, :, rows]
-            shape = (view.shape[0], view.shape[1], view.shape[2], view.shape[3], n, view.shape[5])
-            src_idx = (lens[:, None] + src)[None, None, :, None, :, None].expand(shape)
-            dst_idx = (lens[:, None] + torch.arange(n, device=src.device))[None, None, :, None, :, None].expand(shape)
-            view.scatter_(4, dst_idx, view.gather(4, src_idx))
+            # Advanced indexing reads and writes only the moved entries in place. (A scatter into the
+            # row-slice view would first copy the whole strided view: time that grows with the cache.)
+            r = torch.arange(rows.start, rows.stop, device=src.device)[:, None]
+            offsets = torch.arange(n, device=src.device)
+            self.data[:, :, r, :, lens[:, None] + offsets] = self.data[:, :, r, :, lens[:, None] + src]
         self.lens[rows] += count
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:
