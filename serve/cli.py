@@ -7,7 +7,7 @@ import logging
 
 from medusa.errors import MedusaError
 
-from .config import load_config
+from .config import ServeConfig, load_config
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -18,6 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None, help="draft model (shares the target's tokenizer) for draft speculation")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"])
     p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None, help="engine CPU threads (default: cores - 1)")
     p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
     p.add_argument("--policy", default=None, choices=["dynamic", "medusa", "draft", "plain"],
@@ -27,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    keys = ("model", "heads", "draft", "dtype", "device", "host", "port")
+    keys = ("model", "heads", "draft", "dtype", "device", "threads", "host", "port")
     cfg = load_config(args.config, {k: getattr(args, k) for k in keys})
     if args.policy or args.cost_model:
         policy = cfg.policy.model_dump()
@@ -41,6 +42,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .app import create_app
 
+    set_engine_threads(cfg)
     app = create_app(cfg)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
     return 0
+
+
+def set_engine_threads(cfg: ServeConfig) -> None:
+    import os
+
+    import torch
+
+    from medusa.model import default_device
+
+    if torch.device(cfg.device or default_device()).type != "cpu":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    threads = cfg.threads or max(1, cores - 1)
+    torch.set_num_threads(threads)
+    logging.getLogger("serve").info("engine uses %d CPU thread(s)", threads)

@@ -57,6 +57,10 @@ class ServeConfig(BaseModel):
     draft_k: int = Field(4, ge=1, le=16)
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     device: str | None = None
+    # torch CPU threads of the engine. Default on CPU: all cores but one. The HTTP side (event loop,
+    # SSE writes) and local clients need a core; engine threads that share cores with them stall at
+    # every parallel region, which on a 2-core machine nearly halved decode speed.
+    threads: int | None = Field(None, ge=1)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     served_model_name: str | None = None  # the id clients pass as `model` (default: the model's name)

@@ -9,9 +9,9 @@ extra tree tokens cost real time, and plain decoding wins. Two signals decide:
 - an acceptance gate per batch-size bucket (1, 2, 3-4, 5-8, ...): speculation pays when the tokens per
   row-step it yields (tau) exceed the cost of its step relative to a plain one. The policy times every
   step and keeps, per bucket, a moving average of speculative and plain step time; when the rolling mean
-  tau over the last `window` (at least 4) speculative steps falls below max(min_tau, t_spec / t_plain),
-  speculation pauses in that bucket for `retry_after_steps` steps (doubling after each consecutive
-  failure, up to 16x) and is then tried again; the pause holds for larger buckets too. A new bucket
+  tau over the last `window` speculative steps (judged from 4 on) is, by two standard errors, below
+  max(min_tau, t_spec / t_plain), speculation pauses in that bucket for `retry_after_steps` steps
+  (doubling after each consecutive failure, up to 16x) and is then tried again; the pause holds for larger buckets too. A new bucket
   starts with one plain step to measure the cost to beat. So a poorly predicted workload, or a batch size
   past the crossover the watermarks did not catch, falls back to plain decoding by measurement.
 
@@ -120,6 +120,18 @@ class _Gate:
 
 class SpeculationPolicy:
     MIN_EVIDENCE = 4  # speculative steps before the gate may pause (a full window to clear a failure)
+    Z = 2.0  # pause only when mean tau is this many standard errors below what a step must yield
+    MIN_STD = 0.5  # floor on one row-step's tau spread, so a few equal samples are not taken as certainty
+
+    @classmethod
+    def _stderr(cls, taus: "deque[float]", rows: int) -> float:
+        """Standard error of the mean tau. A step's tau is itself a mean over its rows, hence the floor's
+        1/sqrt(rows): at batch size 1 four steps prove little, at 16 rows they prove a lot."""
+        n = len(taus)
+        mean = sum(taus) / n
+        std = (sum((t - mean) ** 2 for t in taus) / max(n - 1, 1)) ** 0.5
+        return max(std, cls.MIN_STD / max(rows, 1) ** 0.5) / n ** 0.5
+
     def __init__(self, cfg: PolicyConfig, has_medusa: bool, has_draft: bool):
         self.cfg = cfg
         self.has = {"medusa": has_medusa, "draft": has_draft}
@@ -215,13 +227,14 @@ class SpeculationPolicy:
             return
         mean = sum(gate.taus) / len(gate.taus)
         need = max(self.cfg.min_tau, gate.cost_ratio or 0.0)
-        if mean >= need:
+        if mean + self.Z * self._stderr(gate.taus, running) >= need:
             if len(gate.taus) == gate.taus.maxlen:
                 gate.failures = 0
             return
+        steps = len(gate.taus)
         pause = self.cfg.retry_after_steps * min(2 ** gate.failures, _Gate.MAX_BACKOFF)
         gate.failures += 1
         gate.paused_until = self.step + pause
         gate.taus.clear()
         log.info("speculation paused for %d steps at batch bucket %d: mean tau %.2f < %.2f over %d steps",
-                 pause, bucket(running), mean, need, gate.taus.maxlen)
+                 pause, bucket(running), mean, need, steps)

@@ -47,7 +47,7 @@ def test_tree_follows_batch_size():
 
 
 def test_acceptance_gate_pauses_and_retries_with_backoff():
-    p = policy(window=4, min_tau=1.5, retry_after_steps=10)
+    p = policy(window=4, min_tau=2.0, retry_after_steps=10)
     for _ in range(4):
         d = p.decide(1, 0)
         assert d.mode == "medusa"
@@ -60,6 +60,23 @@ def test_acceptance_gate_pauses_and_retries_with_backoff():
     # Second failure in a row: the pause doubles.
     assert modes(p, [1] * 19) == ["plain"] * 19
     assert p.decide(1, 0).mode == "medusa"
+
+
+def test_gate_waits_for_evidence_at_batch_size_one():
+    """One row's tau per step is noisy (often 1, sometimes 3-4): a short run of misses is not proof."""
+    p = policy(window=16, min_tau=1.3, retry_after_steps=10)
+    for _ in range(4):
+        p.observe(p.decide(1, 0), 1, 1.0, 0.01)
+    assert p.decide(1, 0).mode == "medusa"
+    for tau in [1.0, 3.0, 1.0, 2.0, 1.0, 1.0, 4.0, 1.0]:
+        p.observe(p.decide(1, 0), 1, tau, 0.01)
+    assert p.decide(1, 0).mode == "medusa"
+    for _ in range(16):  # a whole window at tau 1: now the evidence is there
+        d = p.decide(1, 0)
+        if d.mode != "medusa":
+            break
+        p.observe(d, 1, 1.0, 0.01)
+    assert p.decide(1, 0).mode == "plain"
 
 
 def test_acceptance_gate_is_per_batch_bucket():
@@ -185,3 +202,21 @@ def test_shipped_configs_are_valid():
     assert files
     for f in files:
         load_config(str(f))
+
+
+def test_engine_threads_leave_a_core(monkeypatch):
+    import torch
+
+    from serve.cli import set_engine_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_engine_threads(load_config(None, {"threads": 1, "device": "cpu"}))
+        assert torch.get_num_threads() == 1
+        monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(3)), raising=False)
+        set_engine_threads(load_config(None, {"device": "cpu"}))
+        assert torch.get_num_threads() == 2  # three cores: two for the engine, one for HTTP and clients
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(MedusaError, match="threads"):
+        load_config(None, {"threads": 0})
