@@ -8,8 +8,8 @@ extra tree tokens cost real time, and plain decoding wins. Two signals decide:
   flap when load hovers at one level; defaults may come from the evaluator's cost model;
 - an acceptance gate per batch-size bucket (1, 2, 3-4, 5-8, ...): speculation pays when the tokens per
   row-step it yields (tau) exceed the cost of its step relative to a plain one. The policy times every
-  step and keeps, per bucket, a moving average of speculative and plain step time; when the rolling mean
-  tau over the last `window` speculative steps (judged from 4 on) is, by two standard errors, below
+  step and keeps, per bucket, the median of recent speculative and plain step times; when the rolling
+  mean tau over the last `window` speculative steps (judged from 4 on) is, by two standard errors, below
   max(min_tau, t_spec / t_plain), speculation pauses in that bucket for `retry_after_steps` steps
   (doubling after each consecutive failure, up to 16x) and is then tried again; the pause holds for larger buckets too. A new bucket
   starts with one plain step to measure the cost to beat. So a poorly predicted workload, or a batch size
@@ -27,6 +27,7 @@ recommendation for the current batch size.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -98,23 +99,24 @@ def bucket(n: int) -> int:
 class _Gate:
     """Per-bucket acceptance and cost record."""
 
-    EMA = 0.1
+    TIMES = 16  # recent step times kept per kind; their median is robust to one-off slow steps
     MAX_BACKOFF = 16
 
     def __init__(self, window: int):
         self.taus: deque[float] = deque(maxlen=window)
         self.paused_until = -1
         self.failures = 0
-        self.seconds: dict[str, float] = {}  # moving average step time: "spec" / "plain"
+        self.seconds: dict[str, deque[float]] = {}  # recent step times: "spec" / "plain"
 
     def time(self, kind: str, seconds: float) -> None:
-        old = self.seconds.get(kind)
-        self.seconds[kind] = seconds if old is None else old + self.EMA * (seconds - old)
+        self.seconds.setdefault(kind, deque(maxlen=self.TIMES)).append(seconds)
 
     @property
     def cost_ratio(self) -> float | None:
+        """Median speculative over median plain step time. A median, not a mean: the first step of a
+        new shape (kernel setup) can take several times a normal one and must not close the gate."""
         if "spec" in self.seconds and "plain" in self.seconds:
-            return self.seconds["spec"] / max(self.seconds["plain"], 1e-9)
+            return statistics.median(self.seconds["spec"]) / max(statistics.median(self.seconds["plain"]), 1e-9)
         return None
 
 

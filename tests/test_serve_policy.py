@@ -79,6 +79,16 @@ def test_gate_waits_for_evidence_at_batch_size_one():
     assert p.decide(1, 0).mode == "plain"
 
 
+def test_one_slow_first_step_does_not_close_the_gate():
+    """The first step at a new shape pays kernel set-up; the cost ratio must not carry that for long."""
+    p = policy(window=16, min_tau=1.3, retry_after_steps=10)  # plain steps: 10 ms
+    p.observe(p.decide(1, 0), 1, 1.5, 0.300)
+    for i in range(20):
+        d = p.decide(1, 0)
+        assert d.mode == "medusa", i
+        p.observe(d, 1, 1.5 + (i % 2), 0.012)
+
+
 def test_acceptance_gate_is_per_batch_bucket():
     p = policy(window=4, min_tau=1.5, retry_after_steps=50)
     for _ in range(4):
