@@ -510,7 +510,31 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
     model = {"model": getattr(rt.hf_model, "name_or_path", cfg.model), "device": str(rt.model.device),
              "dtype": cfg.dtype, "prefix_tokens": cm.prefix, "latency_ms": lat,
              "acceptance": {k: v for k, v in acc.items() if v}}
-    return predict(model, cfg.batch_sizes)
+    return apply_measurements(predict(model, cfg.batch_sizes), results)
+
+
+def apply_measurements(model: dict, results: list[dict]) -> dict:
+    """Where the runs measured a batch size, the measured speedups decide its recommendation; the latency
+    model's predictions fill in the rest. A prediction is a fit of a noisy latency grid (its error is in
+    `fit.max_rel_error`); an end-to-end run at that batch size is the better witness. The predictions stay
+    in `predicted` / `predicted_recommendation`, and `recommendation_source` says which one decided."""
+    from .costmodel import pays
+
+    best: dict[str, tuple[float, str, str | None]] = {}
+    for r in results:
+        if r["kind"] in ("medusa", "draft") and r.get("speedup_vs_plain") is not None:
+            b = str(r["batch_size"])
+            if r["speedup_vs_plain"] > best.get(b, (0.0,))[0]:
+                best[b] = (r["speedup_vs_plain"], r["kind"], r.get("tree"))
+    model["predicted_recommendation"] = dict(model["recommendation"])
+    source = {b: "predicted" for b in model["recommendation"]}
+    for b, (speedup, kind, tree) in best.items():
+        model["recommendation"][b] = kind if pays(speedup) else "plain"
+        source[b] = "measured"
+        if kind == "medusa" and tree:
+            model["best_tree"][b] = tree
+    model["recommendation_source"] = source
+    return model
 
 
 # ---- command line -----------------------------------------------------------------------------------

@@ -145,3 +145,21 @@ def test_latency_fit_keeps_coefficients_non_negative():
     fit = LatencyFit.fit(grid)
     assert min(fit.a, fit.b, fit.c) >= 0
     assert fit(64, 64) >= fit(1, 1)
+
+
+def test_measured_speedups_decide_where_they_exist():
+    from medusa.evaluate import apply_measurements
+
+    model = {"recommendation": {"1": "plain", "2": "plain", "64": "medusa"}, "best_tree": {"1": "tree-16"}}
+    results = [
+        {"kind": "plain", "batch_size": 1, "speedup_vs_plain": 1.0},
+        {"kind": "medusa", "batch_size": 1, "speedup_vs_plain": 1.19, "tree": "tree-8"},
+        {"kind": "draft", "batch_size": 1, "speedup_vs_plain": 0.87},
+        {"kind": "medusa", "batch_size": 2, "speedup_vs_plain": 0.96, "tree": "tree-8"},
+        {"kind": "hf", "batch_size": 2, "speedup_vs_plain": 1.5},  # not a mode the server can switch to
+    ]
+    out = apply_measurements(model, results)
+    assert out["recommendation"] == {"1": "medusa", "2": "plain", "64": "medusa"}
+    assert out["best_tree"]["1"] == "tree-8"
+    assert out["recommendation_source"] == {"1": "measured", "2": "measured", "64": "predicted"}
+    assert out["predicted_recommendation"] == {"1": "plain", "2": "plain", "64": "medusa"}

@@ -70,6 +70,7 @@ def test_eval_end_to_end_schema(tmp_path, capsys):
     cm = report["cost_model"]
     assert set(cm["recommendation"]) == {"1", "4"} and set(cm["recommendation"].values()) <= {"medusa", "draft", "plain"}
     assert cm["best_tree"]["1"] == "tree-8"
+    assert cm["recommendation_source"] == {"1": "measured", "4": "measured"}
     assert {"target", "draft", "heads"} <= set(cm["latency_ms"])
     assert set(report["crossover"]) >= {"medusa", "draft"}
     assert json.loads((out / "cost_model.json").read_text())["recommendation"] == cm["recommendation"]
