@@ -53,8 +53,8 @@ class KVCache:
             # Advanced indexing reads and writes only the moved entries in place. (A scatter into the
             # row-slice view would first copy the whole strided view: time that grows with the cache.)
             r = torch.arange(rows.start, rows.stop, device=src.device)[:, None]
-            offsets = torch.arange(n, device=src.device)
-            self.data[:, :, r, :, lens[:, None] + offsets] = self.data[:, :, r, :, lens[:, None] + src]
+            base = lens[:, None]
+            self.data[:, :, r, :, base + torch.arange(n, device=src.device)] = self.data[:, :, r, :, base + src]
         self.lens[rows] += count
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:

@@ -11,9 +11,10 @@ extra tree tokens cost real time, and plain decoding wins. Two signals decide:
   step and keeps, per bucket, the median of recent speculative and plain step times; when the rolling
   mean tau over the last `window` speculative steps (judged from 4 on) is, by two standard errors, below
   max(min_tau, t_spec / t_plain), speculation pauses in that bucket for `retry_after_steps` steps
-  (doubling after each consecutive failure, up to 16x) and is then tried again; the pause holds for larger buckets too. A new bucket
-  starts with one plain step to measure the cost to beat. So a poorly predicted workload, or a batch size
-  past the crossover the watermarks did not catch, falls back to plain decoding by measurement.
+  (doubling after each consecutive failure, up to 16x) and is then tried again; the pause holds for larger
+  buckets too. A new bucket starts with one plain step to measure the cost to beat. So a poorly predicted
+  workload, or a batch size past the crossover the watermarks did not catch, falls back to plain
+  decoding by measurement.
 
 Cost-model JSON read here (written by `medusa eval`, alone or as the "cost_model" key of its report.json;
 other keys are ignored):
@@ -91,6 +92,16 @@ def _floor_lookup(table: dict[int, str], n: int) -> str:
     return table[best]
 
 
+MIN_STD = 0.5  # floor on one row-step's tau spread, so a few equal samples are not taken as certainty
+
+
+def mean_and_stderr(taus: "deque[float]", rows: int) -> tuple[float, float]:
+    """Mean tau and its standard error. A step's tau is itself a mean over its rows, hence the floor's
+    1/sqrt(rows): at batch size 1 four steps prove little, at 16 rows they prove a lot."""
+    std = statistics.stdev(taus) if len(taus) > 1 else 0.0
+    return statistics.fmean(taus), max(std, MIN_STD / max(rows, 1) ** 0.5) / len(taus) ** 0.5
+
+
 def bucket(n: int) -> int:
     """Batch sizes grouped by powers of two: 1, 2, 4 (3-4), 8 (5-8), ..."""
     return 1 << max(n - 1, 0).bit_length()
@@ -123,16 +134,6 @@ class _Gate:
 class SpeculationPolicy:
     MIN_EVIDENCE = 4  # speculative steps before the gate may pause (a full window to clear a failure)
     Z = 2.0  # pause only when mean tau is this many standard errors below what a step must yield
-    MIN_STD = 0.5  # floor on one row-step's tau spread, so a few equal samples are not taken as certainty
-
-    @classmethod
-    def _stderr(cls, taus: "deque[float]", rows: int) -> float:
-        """Standard error of the mean tau. A step's tau is itself a mean over its rows, hence the floor's
-        1/sqrt(rows): at batch size 1 four steps prove little, at 16 rows they prove a lot."""
-        n = len(taus)
-        mean = sum(taus) / n
-        std = (sum((t - mean) ** 2 for t in taus) / max(n - 1, 1)) ** 0.5
-        return max(std, cls.MIN_STD / max(rows, 1) ** 0.5) / n ** 0.5
 
     def __init__(self, cfg: PolicyConfig, has_medusa: bool, has_draft: bool):
         self.cfg = cfg
@@ -227,9 +228,9 @@ class SpeculationPolicy:
         gate.taus.append(tau)
         if len(gate.taus) < min(self.MIN_EVIDENCE, gate.taus.maxlen):
             return
-        mean = sum(gate.taus) / len(gate.taus)
+        mean, stderr = mean_and_stderr(gate.taus, running)
         need = max(self.cfg.min_tau, gate.cost_ratio or 0.0)
-        if mean + self.Z * self._stderr(gate.taus, running) >= need:
+        if mean + self.Z * stderr >= need:
             if len(gate.taus) == gate.taus.maxlen:
                 gate.failures = 0
             return
