@@ -78,7 +78,7 @@ class Transformer(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.embed = inner.embed_tokens
-        self.norm = inner.norm
+        self.norm = RMSNorm(inner.norm)
         self.rotary = inner.rotary_emb
         self.lm_head = _packed(hf_model.lm_head)
         self.layers = nn.ModuleList(_Layer(layer, self.head_dim) for layer in inner.layers)
@@ -92,7 +92,10 @@ class Transformer(nn.Module):
         return self.embed.weight.dtype
 
     def new_cache(self, rows: int, capacity: int) -> KVCache:
-        return KVCache(len(self.layers), rows, self.n_kv, capacity, self.head_dim, self.dtype, self.device)
+        # Small batches on CPU keep K/V in fp32, the dtype their attention runs in (see FP32_ATTENTION_ROWS):
+        # converting each layer's K/V window at every step would cost more than the attention itself.
+        dtype = torch.float32 if self.device.type == "cpu" and rows <= FP32_ATTENTION_ROWS else self.dtype
+        return KVCache(len(self.layers), rows, self.n_kv, capacity, self.head_dim, dtype, self.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
                 block_mask: torch.Tensor) -> torch.Tensor:
@@ -108,15 +111,17 @@ class Transformer(nn.Module):
         bm = block_mask if block_mask.dim() == 3 else block_mask.expand(b, t, t)
         block_part = torch.gather(bm, 2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, window))
         mask = ((rel < 0)[:, None, :] | (in_block[:, None, :] & block_part))[:, None]  # [B, 1, T, L]
-        bias = _short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv, self.dtype) if t <= SHORT_BLOCK else None
+        fp32 = cache.data.dtype == torch.float32 or (tokens.device.type == "cpu" and b * t <= FP32_ATTENTION_ROWS)
+        bias = (_short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv, torch.float32 if fp32 else self.dtype)
+                if t <= SHORT_BLOCK else None)
         slots = lens[:, None] + torch.arange(t, device=tokens.device)  # where this block's K/V go
         x = self.embed(tokens)
         rope = _rope_tables(*self.rotary(x, positions))
         data = cache.data[:, :, rows, :, :window]
         row_idx = torch.arange(b, device=tokens.device)[:, None]
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, data[i], row_idx, slots, mask, bias)
-        return _rms(x, self.norm)
+            x = layer.forward(x, rope, data[i], row_idx, slots, mask, bias)  # (no per-call hook machinery)
+        return self.norm(x)
 
 
 class _Layer(nn.Module):
@@ -124,9 +129,9 @@ class _Layer(nn.Module):
         super().__init__()
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.head_dim = head_dim
-        self.ln1, self.ln2 = hf_layer.input_layernorm, hf_layer.post_attention_layernorm
-        self.q_norm = getattr(attn, "q_norm", None)
-        self.k_norm = getattr(attn, "k_norm", None)
+        self.ln1, self.ln2 = RMSNorm(hf_layer.input_layernorm), RMSNorm(hf_layer.post_attention_layernorm)
+        self.q_norm = RMSNorm(attn.q_norm) if getattr(attn, "q_norm", None) is not None else None
+        self.k_norm = RMSNorm(attn.k_norm) if getattr(attn, "k_norm", None) is not None else None
         self.nq = attn.q_proj.out_features // head_dim
         self.nkv = attn.k_proj.out_features // head_dim
         # Fused projections: one matmul instead of three (and two) per layer; at batch size 1 each call
@@ -140,39 +145,58 @@ class _Layer(nn.Module):
     def forward(self, x, rope, kv, row_idx, slots, mask, bias):
         b, t, _ = x.shape
         d, nq, nkv = self.head_dim, self.nq, self.nkv
-        qkv = self.wqkv(_rms(x, self.ln1)).view(b, t, nq + 2 * nkv, d)
-        qk, v = qkv[:, :, : nq + nkv], qkv[:, :, nq + nkv:]
+        qkv = self.wqkv.forward(self.ln1.forward(x)).view(b, t, nq + 2 * nkv, d)
         if self.q_norm is not None:
-            qk = torch.cat([_rms(qk[:, :, :nq], self.q_norm), _rms(qk[:, :, nq:], self.k_norm)], dim=2)
-        qk = _rope(qk, *rope)  # q and k rotated in one go
-        # K and V of this block go after each row's prefix, in one indexed write for both.
-        kv[:, row_idx, :, slots] = torch.stack([qk[:, :, nq:], v], dim=2)
-        o = _attention(qk[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
+            qkv[:, :, :nq] = self.q_norm.forward(qkv[:, :, :nq])
+            qkv[:, :, nq: nq + nkv] = self.k_norm.forward(qkv[:, :, nq: nq + nkv])
+        _rope_(qkv[:, :, : nq + nkv], *rope)  # q and k rotated in one go, in place
+        # K and V of this block go after each row's prefix: they lie side by side in qkv, so one indexed
+        # write stores both.
+        kv[:, row_idx, :, slots] = qkv[:, :, nq:].unflatten(2, (2, nkv)).to(kv.dtype)
+        o = _attention(qkv[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
         x = self.wo.plus(o, x)
-        gate, up = self.w13(_rms(x, self.ln2)).chunk(2, dim=-1)
+        gate, up = self.w13.forward(self.ln2.forward(x)).chunk(2, dim=-1)
         return self.w2.plus(F.silu(gate) * up, x)
 
 
-def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """The model's RMSNorm as one fused op (the module itself runs about eight)."""
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+class RMSNorm(nn.Module):
+    """The model's RMSNorm (x / rms(x) * w) in as few kernels as the backend allows.
+
+    `F.rms_norm` runs about eight kernels on CPU (upcast, square, mean, rsqrt, two multiplies, downcast),
+    and at batch size 1 each costs more to dispatch than to compute. In bf16/fp16 on CPU, layer_norm over
+    [x, -x] is one fused kernel that gives the same result: that vector's mean is zero and its mean square
+    is x's. fp32 and other devices keep the stock op, so fp32 numerics stay those of the HF model.
+    """
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        w = norm.weight.detach()
+        self.eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+        self.register_buffer("weight", w, persistent=False)
+        self.mirrored = w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16)
+        self.register_buffer("weight2", torch.cat([w, w]) if self.mirrored else None, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mirrored:
+            d = x.shape[-1]
+            return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * d,), self.weight2, None, self.eps)[..., :d]
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 SHORT_BLOCK = 64  # passes of at most this many tokens per row use the matmul attention below
 
 
-def _fp32_attention(device: torch.device, b: int, t: int) -> bool:
-    """On CPU a small pass attends in fp32: its small-matrix kernels are about twice as fast as bf16's at
-    decode shapes (a large batch would pay more to convert its K/V window than it saves)."""
-    return device.type == "cpu" and b * t <= 16
+# On CPU small passes attend in fp32: its small-matrix kernels are about twice as fast as bf16's at decode
+# shapes. Caches of up to this many rows hold K/V in fp32; larger ones keep the model dtype (their K/V
+# would take twice the memory and bandwidth) and convert for a pass of at most this many tokens in all.
+FP32_ATTENTION_ROWS = 16
 
 
 def _short_block_bias(mask: torch.Tensor, kvh: int, g: int, dtype: torch.dtype) -> torch.Tensor:
     """The pass mask [B, 1, T, L] as the additive [B*KV, G*T, L] term of `_attention`'s score matmul,
     built once per pass for all layers."""
     b, _, t, window = mask.shape
-    dt = torch.float32 if _fp32_attention(mask.device, b, t) else dtype
-    bias = torch.zeros(b, 1, 1, t, window, dtype=dt, device=mask.device)
+    bias = torch.zeros(b, 1, 1, t, window, dtype=dtype, device=mask.device)
     bias.masked_fill_(~mask[:, :, None], float("-inf"))
     return bias.expand(b, kvh, g, t, window).reshape(b * kvh, g * t, window)
 
@@ -190,10 +214,10 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     kvh, window = k.shape[1], k.shape[2]
     g = h // kvh
     if bias is None:
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+        o = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=g > 1)
-        return o.transpose(1, 2).reshape(b, t, h * d)
-    dtype = v.dtype
+        return o.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)
+    dtype = q.dtype
     q, k, v = q.to(bias.dtype), k.to(bias.dtype), v.to(bias.dtype)
     q = q.reshape(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b * kvh, g * t, d)
     scores = torch.baddbmm(bias, q, k.reshape(b * kvh, window, d).transpose(1, 2), alpha=scale)
@@ -258,8 +282,7 @@ def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, to
     return cos[:, :, None], signed[:, :, None]
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x*cos + rotate_half(x)*sin for x [B, T, H, D], rotate_half being a swap of the two halves."""
-    b, t, h, d = x.shape
-    swapped = x.reshape(b, t, h, 2, d // 2).flip(3).view(b, t, h, d)
-    return torch.addcmul(x * cos, swapped, signed_sin)
+def _rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """x <- x*cos + rotate_half(x)*sin for x [B, T, H, D], rotate_half being a swap of the two halves."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # flip copies, so x can be updated in place
+    x.mul_(cos).addcmul_(swapped, signed_sin)

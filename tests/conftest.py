@@ -9,7 +9,8 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 def tiny_model(arch: str = "llama", seed: int = 0, vocab: int = 97):
     """A small random decoder whose logits are peaked enough that fp32 argmax has no near-ties."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
     kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -19,6 +20,8 @@ def tiny_model(arch: str = "llama", seed: int = 0, vocab: int = 97):
         model = LlamaForCausalLM(LlamaConfig(**kw))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    elif arch == "qwen3":  # per-head q/k norms, explicit head_dim
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kw))
     else:
         raise ValueError(arch)
     return model.eval().requires_grad_(False)

@@ -238,3 +238,55 @@ def test_trained_heads_accept_and_match_plain(trained, batch_size):
     assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
     assert spec.stats.mean_accepted > 2.0  # trained heads are really accepted, several tokens per step
     assert spec.stats.forward_passes < plain.stats.forward_passes * 0.6
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.bfloat16, 1), (torch.bfloat16, 17)])
+def test_forward_matches_hf_logits(arch, dtype, rows):
+    """The lean forward (fused projections, rotary in place, the norm's low-precision kernel) gives the
+    HF model's logits, for a prompt pass and for the one-token passes of decoding, with K/V kept in fp32
+    (small caches on CPU) or in the model dtype."""
+    from medusa.transformer import FP32_ATTENTION_ROWS
+
+    model = tiny_model(arch, seed=5).to(dtype)
+    tr = Transformer(model)
+    cache = tr.new_cache(rows, 64)
+    assert (cache.data.dtype == torch.float32) == (dtype == torch.float32 or rows <= FP32_ATTENTION_ROWS)
+    seq = mixed_prompts(1, seed=7)[0] + mixed_prompts(1, seed=8)[0]
+    with torch.inference_mode():
+        ref = model(torch.tensor([seq])).logits[0].float()
+        split = len(seq) // 2
+        causal = torch.ones(split, split, dtype=torch.bool).tril()
+        prompt = tr.lm_head(tr(torch.tensor([seq[:split]]), torch.arange(split)[None], cache, slice(0, 1),
+                               causal))[0]
+        cache.lens[0] = split
+        steps = []
+        for i in range(split, len(seq)):
+            h = tr(torch.tensor([[seq[i]]]), torch.tensor([[i]]), cache, slice(0, 1), causal[:1, :1])
+            cache.lens[0] += 1
+            steps.append(tr.lm_head(h)[0, 0])
+    ours = torch.cat([prompt.float(), torch.stack(steps).float()])
+    scale = ref.abs().max()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: a few roundings of the activations apart
+    assert (ours - ref).abs().max() <= tol * scale
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean()
+    assert agree == 1.0 if dtype == torch.float32 else agree >= 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_hf(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from medusa.transformer import RMSNorm
+
+    hf = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    torch.nn.init.normal_(hf.weight, mean=1.0, std=0.5)
+    ours = RMSNorm(hf)
+    assert ours.mirrored == (dtype == torch.bfloat16)  # the fused low-precision path is the one exercised
+    for shape in ((1, 1, 96), (3, 7, 96), (2, 5, 4, 96)):
+        x = (torch.randn(*shape) * 4).to(dtype)
+        ref, got = hf(x).float(), ours(x).float()
+        if dtype == torch.float32:
+            assert torch.equal(got, ref)
+        else:  # one rounding (ours) vs two (HF's normalise-then-scale): at most one bf16 step apart
+            assert ((got - ref).abs() <= ref.abs() * 2 ** -7 + 1e-6).all()
