@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import MedusaError
+from .sampling import argmax
 from .transformer import KVCache, Transformer, _packed
 from .tree import chain
 
@@ -65,7 +66,7 @@ class DraftProposer:
         self.vocab = getattr(draft, "draft_vocab", None)
 
     def _next(self, hidden: torch.Tensor) -> torch.Tensor:
-        best = self.head(hidden).argmax(-1)
+        best = argmax(self.head(hidden))
         return self.vocab[best] if self.vocab is not None else best
 
     def _state(self, batch: "Batch") -> DraftState:

@@ -16,7 +16,7 @@ import torch
 
 from .errors import MedusaError
 from .proposers import Proposer
-from .sampling import GREEDY, RowSampling, SamplingParams, sample_from
+from .sampling import GREEDY, RowSampling, SamplingParams, argmax, sample_from
 from .transformer import Transformer
 from .tree import ROOT_ONLY
 from .verifier import GreedyVerifier, SamplingVerifier
@@ -166,7 +166,7 @@ class Engine:
             p = batch.sampling.probs(logits[:, None], rows)[:, 0]
             batch.root[rows] = sample_from(p, batch.sampling.uniform(rows, 1)[:, 0])
         else:
-            batch.root[rows] = logits.argmax(-1)
+            batch.root[rows] = argmax(logits)
         batch.out_len[rows] = 0
         batch.max_new[rows] = torch.tensor(limits, device=dev)
         batch.stats.forward_passes += 1

@@ -106,14 +106,7 @@ class Transformer(nn.Module):
         if window > cache.capacity:
             raise MedusaError(f"sequence of {window} tokens exceeds the cache capacity {cache.capacity}; "
                               f"lower --max-new-tokens or shorten the prompt")
-        rel = torch.arange(window, device=tokens.device)[None, :] - lens[:, None]  # [B, L]
-        in_block = (rel >= 0) & (rel < t)
-        bm = block_mask if block_mask.dim() == 3 else block_mask.expand(b, t, t)
-        block_part = torch.gather(bm, 2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, window))
-        mask = ((rel < 0)[:, None, :] | (in_block[:, None, :] & block_part))[:, None]  # [B, 1, T, L]
-        fp32 = cache.data.dtype == torch.float32 or (tokens.device.type == "cpu" and b * t <= FP32_ATTENTION_ROWS)
-        bias = (_short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv, torch.float32 if fp32 else self.dtype)
-                if t <= SHORT_BLOCK else None)
+        mask, bias = self._pass_masks(lens, block_mask, t, window, cache.data.dtype)
         slots = lens[:, None] + torch.arange(t, device=tokens.device)  # where this block's K/V go
         x = self.embed(tokens)
         rope = _rope_tables(*self.rotary(x, positions))
@@ -122,6 +115,26 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, rope, data[i], row_idx, slots, mask, bias)  # (no per-call hook machinery)
         return self.norm(x)
+
+    def _pass_masks(self, lens: torch.Tensor, block_mask: torch.Tensor, t: int, window: int,
+                    kv_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The pass's attention mask [B, 1, T, L] and, for short passes, its additive form for `_attention`.
+
+        One token of one row sees its whole window: no mask, and the fused kernel is the fastest there.
+        """
+        b = lens.shape[0]
+        if b * t == 1:
+            return None, None
+        rel = torch.arange(window, device=lens.device)[None, :] - lens[:, None]  # [B, L]
+        in_block = (rel >= 0) & (rel < t)
+        bm = block_mask if block_mask.dim() == 3 else block_mask.expand(b, t, t)
+        block_part = torch.gather(bm, 2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, window))
+        mask = ((rel < 0)[:, None, :] | (in_block[:, None, :] & block_part))[:, None]
+        if t > SHORT_BLOCK:
+            return mask, None
+        fp32 = kv_dtype == torch.float32 or (lens.device.type == "cpu" and b * t <= FP32_ATTENTION_ROWS)
+        return mask, _short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv,
+                                       torch.float32 if fp32 else self.dtype)
 
 
 class _Layer(nn.Module):
@@ -201,14 +214,14 @@ def _short_block_bias(mask: torch.Tensor, kvh: int, g: int, dtype: torch.dtype) 
     return bias.expand(b, kvh, g, t, window).reshape(b * kvh, g * t, window)
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                bias: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q [B, T, H, D] over the cache window k/v [B, KV, L, D] -> [B, T, H*D].
 
-    For the short blocks of decoding (one token or a candidate tree), batched matmuls with the query heads
-    of each KV group stacked, the scale and the mask folded into the first (`bias`), beat the fused CPU
-    kernel several times over. Long prompt chunks go to scaled_dot_product_attention, which does not
-    materialise the [T, L] scores.
+    For the short blocks of decoding (a few tokens per row, or candidate trees), batched matmuls with the
+    query heads of each KV group stacked, the scale and the mask folded into the first (`bias`), beat the
+    fused CPU kernel several times over. Long prompt chunks go to scaled_dot_product_attention, which does
+    not materialise the [T, L] scores, and so does a single unmasked query (its fused path is fastest).
     """
     b, t, h, d = q.shape
     kvh, window = k.shape[1], k.shape[2]

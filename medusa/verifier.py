@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import MODE_TYPICAL, sample_from
+from .sampling import MODE_TYPICAL, argmax, sample_from
 from .tree import TreeBuffers
 
 
@@ -27,7 +27,7 @@ class GreedyVerifier:
     name = "greedy"
 
     def verify(self, logits: torch.Tensor, tokens: torch.Tensor, tree: TreeBuffers) -> Verdict:
-        pred = logits.argmax(-1)  # [B, T]: the target's choice after each node
+        pred = argmax(logits)  # [B, T]: the target's choice after each node
         paths = tree.paths  # [P, D+1]
         child = tokens[:, paths[:, 1:]]  # [B, P, D]
         parent_pred = pred[:, paths[:, :-1]]  # [B, P, D]
