@@ -107,15 +107,14 @@ class Transformer(nn.Module):
             raise MedusaError(f"sequence of {window} tokens exceeds the cache capacity {cache.capacity}; "
                               f"lower --max-new-tokens or shorten the prompt")
         mask, bias = self._pass_masks(lens, block_mask, t, window, cache.data.dtype)
-        # Where this block's K/V go: after each row's prefix; for a single row, a plain slice start.
-        slots = window - t if b == 1 else lens[:, None] + torch.arange(t, device=tokens.device)
+        slots = lens[:, None] + torch.arange(t, device=tokens.device)  # where this block's K/V go
         x = self.embed(tokens)
         rope = _rope_tables(*self.rotary(x, positions))
         data = cache.data[:, :, rows, :, :window]
         row_idx = torch.arange(b, device=tokens.device)[:, None]
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, rope, data[i], row_idx, slots, mask, bias)  # (no per-call hook machinery)
-        return self.norm(x)
+        return self.norm.forward(x)
 
     def _pass_masks(self, lens: torch.Tensor, block_mask: torch.Tensor, t: int, window: int,
                     kv_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -166,11 +165,7 @@ class _Layer(nn.Module):
         _rope_(qkv[:, :, : nq + nkv], *rope)  # q and k rotated in one go, in place
         # K and V of this block go after each row's prefix: they lie side by side in qkv, so one write
         # stores both.
-        new_kv = qkv[:, :, nq:].unflatten(2, (2, nkv))  # [B, T, 2, KV, D]
-        if isinstance(slots, int):  # one row: a slice copy, without the indexed write's machinery
-            kv[:, 0, :, slots: slots + t].copy_(new_kv[0].permute(1, 2, 0, 3))
-        else:
-            kv[:, row_idx, :, slots] = new_kv.to(kv.dtype)
+        kv[:, row_idx, :, slots] = qkv[:, :, nq:].unflatten(2, (2, nkv)).to(kv.dtype)
         o = _attention(qkv[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
         x = self.wo.plus(o, x)
         gate, up = self.w13.forward(self.ln2.forward(x)).chunk(2, dim=-1)
