@@ -27,8 +27,8 @@ def measure(config: str, steps: int, cached: bool, batch: int, seqs: int, subset
             os.symlink(hidden, Path(run_dir) / "hidden")
         overrides = [f"run_dir={run_dir}", f"max_steps={steps}", f"cache_hidden={str(cached).lower()}",
                      f"loss.vocab_subset={'null' if subset is None else subset}",
-                     f"batch_size={batch if cached else seqs}", "wandb.mode=disabled", "evaluate=false", "write_trees=null",
-                     "export_heads=null", f"checkpoint_every={steps + 1}"]
+                     f"batch_size={batch if cached else seqs}", "wandb.mode=disabled", "evaluate=false",
+                     f"checkpoint_every={steps + 1}"]
         result = run_training(load_config(config, overrides))
     return {"path": "cached" if cached else "plain", "steps": steps, "vocab_subset": subset,
             "positions": result["trained_positions"], "train_seconds": round(result["train_seconds"], 2),

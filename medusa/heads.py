@@ -73,6 +73,8 @@ class MedusaHeads(nn.Module):
         self.register_buffer("candidate_ids", torch.zeros(config.candidates, dtype=torch.long)
                              if config.candidates else None)
         self._candidate_proj: nn.Module | None = None
+        # Where these heads were loaded from: their trees (`trees/`) and eval.json sit next to them.
+        self.directory: Path | None = None
 
     def set_candidates(self, ids: torch.Tensor | None) -> None:
         """Restrict proposals to `ids` (None: the whole vocabulary)."""
@@ -161,10 +163,28 @@ class MedusaHeads(nn.Module):
             state[f"{k}.{self.config.num_layers}.weight"] = proj.weight
         return state
 
+    @property
+    def trees_dir(self) -> Path | None:
+        """The trees built for these heads (`<directory>/trees`), if they have any."""
+        trees = self.directory / "trees" if self.directory is not None else None
+        return trees if trees is not None and trees.is_dir() else None
+
+    def tree(self, spec: "str | Path | list | None" = None):
+        """A tree by name, resolved against these heads' own trees first; None: their default tree."""
+        from .tree import DEFAULT_TREE, load_tree
+
+        return load_tree(DEFAULT_TREE if spec is None else spec, heads_dir=self.directory)
+
     @classmethod
     def load(cls, directory: str | Path) -> "MedusaHeads":
         """Load either layout from a directory (or `default` for the shipped heads)."""
         directory = SHIPPED_DIR if str(directory) == "default" else Path(directory)
+        heads = cls._load_layout(directory)
+        heads.directory = directory
+        return heads
+
+    @classmethod
+    def _load_layout(cls, directory: Path) -> "MedusaHeads":
         if (directory / "heads.json").exists():
             config = _read_config(directory / "heads.json")
             heads = cls(config)

@@ -40,7 +40,9 @@ class Runtime:
         if mode == "plain":
             return None
         if mode == "medusa":
-            shape = tree if isinstance(tree, Tree) else load_tree(tree or DEFAULT_TREE)
+            # Names resolve against the heads' own trees first, so trained heads get the trees built for them.
+            heads_dir = self.heads.directory if self.heads is not None else None
+            shape = tree if isinstance(tree, Tree) else load_tree(tree or DEFAULT_TREE, heads_dir=heads_dir)
             if self.heads is None:
                 raise MedusaError("--mode medusa needs heads: pass --heads PATH (no shipped heads fit this model)")
             return MedusaProposer(self.heads, shape, projection=self.model.lm_head)

@@ -15,7 +15,11 @@ import yaml
 
 from .errors import MedusaError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "trees"
+_ASSETS = Path(__file__).resolve().parent / "assets"
+# Trees built from the shipped heads' eval.json live with those heads, so the two are replaced together
+# (`medusa export --to-shipped`); hand-made trees (`prior-*`) depend on no heads and live apart.
+CONFIG_DIR = _ASSETS / "heads" / "trees"
+HAND_MADE_DIR = _ASSETS / "trees"
 # The fastest shipped tree at batch size 1 on the reference CPU, where a pass over 16 nodes already costs
 # ~1.5 plain steps; on a GPU a larger tree (tree-32/64) is nearly free and accepts more.
 DEFAULT_TREE = "tree-8"
@@ -135,16 +139,25 @@ def build_tree(accuracy: list[list[float]], budget: int, name: str | None = None
     return Tree([list(p) for p in chosen], name=name or f"greedy-{budget}")
 
 
-def load_tree(spec: str | Path | list) -> Tree:
-    """A tree from a list of paths, a YAML/JSON file, or a shipped name such as `tree-16`."""
+def tree_dirs(heads_dir: str | Path | None = None) -> list[Path]:
+    """Where tree names are looked up, in order: the heads' own `trees/`, the shipped heads' trees, the
+    hand-made ones."""
+    own = [Path(heads_dir) / "trees"] if heads_dir is not None else []
+    return own + [CONFIG_DIR, HAND_MADE_DIR]
+
+
+def load_tree(spec: str | Path | list, heads_dir: str | Path | None = None) -> Tree:
+    """A tree from a list of paths, a YAML/JSON file, or a name such as `tree-16`, looked up first in
+    `heads_dir/trees/` (the trees built for those heads), then among the shipped trees."""
     if isinstance(spec, list):
         return Tree(spec)
     path = Path(spec)
     if not path.exists():
-        named = CONFIG_DIR / f"{spec}.yaml"
-        if not named.exists():
-            names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-            raise MedusaError(f"--tree: {spec!r} is neither a file nor a shipped tree ({', '.join(names)})")
+        dirs = tree_dirs(heads_dir)
+        named = next((d / f"{spec}.yaml" for d in dirs if (d / f"{spec}.yaml").exists()), None)
+        if named is None:
+            names = sorted({p.stem for d in dirs for p in d.glob("*.yaml")})
+            raise MedusaError(f"--tree: {spec!r} is neither a file nor a known tree ({', '.join(names)})")
         path = named
     try:
         data = yaml.safe_load(path.read_text())

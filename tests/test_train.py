@@ -95,8 +95,7 @@ def test_train_cached_writes_loadable_heads_eval_and_trees(tiny, tmp_path):
     from train.trainer import run_training
 
     root, model, data = tiny
-    cfg = load_config(write_config(tmp_path / "c.yaml", model, data, tmp_path / "run", epochs=4,
-                                   write_trees=str(tmp_path / "trees")))
+    cfg = load_config(write_config(tmp_path / "c.yaml", model, data, tmp_path / "run", epochs=4))
     result = run_training(cfg)
     losses = [h["loss"] for h in result["history"]]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5  # it learns
@@ -105,8 +104,13 @@ def test_train_cached_writes_loadable_heads_eval_and_trees(tiny, tmp_path):
     report = json.loads((tmp_path / "run" / "heads" / "eval.json").read_text())
     assert len(report["topk_accuracy"]) == 3 and len(report["topk_accuracy"][0]) == 10
     assert all(0 <= a <= 1 for row in report["topk_accuracy"] for a in row)
-    tree = load_tree(str(tmp_path / "trees" / "tree-8.yaml"))
-    assert len(tree.nodes) == 8
+    # The trees live with the heads, and names resolve to them before the shipped trees.
+    own = tmp_path / "run" / "heads" / "trees"
+    assert sorted(p.name for p in own.iterdir()) == ["tree-4.yaml", "tree-8.yaml"]
+    tree = load_tree("tree-8", heads_dir=tmp_path / "run" / "heads")
+    assert len(tree.nodes) == 8 and tree.nodes == load_tree(str(own / "tree-8.yaml")).nodes
+    assert heads.directory == tmp_path / "run" / "heads" and heads.trees_dir == own
+    assert heads.tree().nodes == tree.nodes and len(heads.tree("tree-4").nodes) == 4
     ckpts = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
     assert ckpts and (ckpts[-1] / "eval.json").exists()
 

@@ -1,10 +1,12 @@
-"""`medusa distill` and `medusa train` subcommands."""
+"""`medusa distill`, `medusa train` and `medusa export` subcommands."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .config import load_config
+from .export import FORMATS
 
 
 def add_parser(subparsers) -> None:
@@ -24,6 +26,17 @@ def add_parser(subparsers) -> None:
     t.add_argument("--eval-only", action="store_true", help="evaluate the latest checkpoint and write trees")
     t.add_argument("--prepare-only", action="store_true", help="build the hidden-state cache and stop")
     t.set_defaults(func=cmd_train)
+
+    e = subparsers.add_parser("export", help="copy a run's heads with their trees and eval.json to a directory, "
+                                             "or make them the shipped heads")
+    e.add_argument("--heads", required=True, help="a run's heads directory, e.g. runs/smollm2-medusa1/heads")
+    where = e.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", help="destination directory (created, or replaced atomically)")
+    where.add_argument("--to-shipped", action="store_true",
+                       help="replace the shipped heads (what --heads default loads); refused if these measure worse")
+    e.add_argument("--format", default="native", choices=sorted(FORMATS), help="output layout (default: native)")
+    e.add_argument("--force", action="store_true", help="with --to-shipped: replace even if these measure worse")
+    e.set_defaults(func=cmd_export)
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
@@ -45,7 +58,50 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"hidden states cached for {', '.join(result['prepared'])}")
         return 0
     if result.get("rank", 0) == 0:
-        print(f"heads: {result['heads_dir']}")
-        for k, acc in enumerate(result.get("accuracy", [])):
-            print(f"head {k}: top-1 {acc[0]:.3f}  top-5 {acc[min(4, len(acc) - 1)]:.3f}")
+        print(summary(result))
     return 0
+
+
+def summary(result: dict) -> str:
+    """Where the run wrote everything, held-out accuracy per head, the tau each tree expects, and how to use
+    the heads."""
+    from .export import expected_tau
+    from medusa.tree import DEFAULT_TREE, load_tree
+
+    heads, run_dir = result["heads_dir"], result["run_dir"]
+    lines = [f"run {run_dir} finished at step {result.get('step')}; everything is under it:",
+             f"  heads        {heads}/ (heads, eval.json, train_config.yaml, trees/)"]
+    if result.get("checkpoint"):
+        lines.append(f"  checkpoint   {result['checkpoint']}")
+    if result.get("merged_model"):
+        lines.append(f"  merged model {result['merged_model']}")
+    acc = result.get("eval", {}).get("rank_accuracy") or []
+    for k, row in enumerate(result.get("accuracy", [])):
+        lines.append(f"  head {k + 1}: held-out top-1 {row[0]:.3f}  top-5 {row[min(4, len(row) - 1)]:.3f}")
+    taus = [f"{Path(t).stem} {expected_tau(load_tree(t).nodes, acc):.2f}" for t in result.get("trees", [])]
+    if taus:
+        lines.append(f"  expected accepted length (tau) per pass: {', '.join(taus)}")
+    model = result.get("merged_model") or result.get("model", "default")
+    use = "medusa generate" + (f" --model {model}" if model != "default" else "") + f" --heads {heads}"
+    lines.append(f"use them:  {use} --prompt \"...\"   (default tree {DEFAULT_TREE}; --tree NAME picks "
+                 f"{heads}/trees/NAME.yaml)")
+    lines.append(f"export:    medusa export --heads {heads} --out DIR   (or --to-shipped to replace the shipped heads)")
+    return "\n".join(lines)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export, export_to_shipped, shipped_dir
+
+    src = Path(args.heads)
+    if not args.to_shipped:
+        out = export(src, Path(args.out), args.format)
+        print(f"exported {src} -> {out} ({args.format}: heads, eval.json, trees)")
+        return 0
+    new, old = export_to_shipped(src, force=args.force, fmt=args.format)
+    print(f"shipped heads replaced: {shipped_dir()} <- {src} (tau with their default tree {_tau(new)}, "
+          f"previous {_tau(old)})")
+    return 0
+
+
+def _tau(m) -> str:
+    return f"{m.tau:.3f}" if m is not None else "unmeasured"

@@ -98,9 +98,9 @@ class TrainConfig(_Strict):
     log_every: int = Field(default=10, gt=0)
     evaluate: bool = True                 # held-out accuracy (and trees) at the end of training
     eval_topk: int = Field(default=10, gt=0, le=50)
+    # Trees written to <run_dir>/heads/trees/tree-{budget}.yaml; DEFAULT_TREE's budget (8) must be among them
+    # for the heads to be exported to the shipped place.
     tree_budgets: list[int] = Field(default_factory=lambda: [8, 16, 32, 64])
-    write_trees: str | None = None        # directory for tree-{budget}.yaml (e.g. configs/trees)
-    export_heads: str | None = None       # also write the final heads here (e.g. medusa/assets/heads)
     deepspeed: str | None = None          # DeepSpeed JSON config, used when launched with several processes
 
     @model_validator(mode="after")
@@ -120,7 +120,18 @@ class TrainConfig(_Strict):
         return [self.loss.decay ** k for k in range(self.heads.num_heads)]
 
 
+# Keys that once made a run write outside its run_dir (into the shipped heads and trees).
+REMOVED_KEYS = {
+    "export_heads": "copy a run's heads with `medusa export --heads RUN_DIR/heads --out DIR` (or --to-shipped)",
+    "write_trees": "trees are written to RUN_DIR/heads/trees; copy them with `medusa export`",
+}
+
+
 def parse_config(data: dict, where: str = "config") -> TrainConfig:
+    for key, instead in REMOVED_KEYS.items():
+        if isinstance(data, dict) and key in data:
+            raise MedusaError(f"{where}: {key}: no longer a config key (a run writes only under its run_dir); "
+                              f"{instead}")
     return validate(TrainConfig, data, where)
 
 

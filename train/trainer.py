@@ -511,8 +511,12 @@ def evaluate(run: Run, eval_ex: list[dict]) -> dict:
 
 
 def finish(run: Run, eval_ex: list[dict], state: dict) -> dict:
+    """Write the run's outputs, all under run_dir: heads with eval.json, train_config.yaml and trees in
+    `heads/` (one atomic directory, so heads and their trees never drift apart), eval.json next to the last
+    checkpoint, and for Medusa-2 the merged model."""
     cfg, d = run.cfg, run.d
-    result = {"rank": d.rank, "heads_dir": str(run.run_dir / "heads"), "step": state.get("step"),
+    heads_dir = run.run_dir / "heads"
+    result = {"rank": d.rank, "run_dir": str(run.run_dir), "heads_dir": str(heads_dir), "step": state.get("step"),
               **{k: state[k] for k in ("table_seconds", "train_seconds", "trained_positions") if k in state}}
     if not d.main:
         d.barrier()
@@ -520,7 +524,6 @@ def finish(run: Run, eval_ex: list[dict], state: dict) -> dict:
     run.objective.eval()
     report = evaluate(run, eval_ex) if cfg.evaluate else {}
     report["step"] = state.get("step")
-    heads_dir = run.run_dir / "heads"
 
     if cfg.heads.candidates and run.answer_counts is not None:
         top = torch.argsort(run.answer_counts, descending=True, stable=True)[: cfg.heads.candidates]
@@ -530,6 +533,8 @@ def finish(run: Run, eval_ex: list[dict], state: dict) -> dict:
         run.objective.heads.save(tmp)
         (tmp / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
         (tmp / "train_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        if "rank_accuracy" in report:
+            write_trees(report["rank_accuracy"], cfg.tree_budgets, tmp / "trees")
         if run.save_adapter:
             run.save_adapter(tmp / "adapter")
 
@@ -539,24 +544,19 @@ def finish(run: Run, eval_ex: list[dict], state: dict) -> dict:
         tmp = latest / ".eval.json.tmp"
         tmp.write_text(json.dumps(report, indent=2) + "\n")
         os.replace(tmp, latest / "eval.json")
-    if cfg.export_heads:
-        import shutil
-
-        ckpt.atomic_dir(Path(cfg.export_heads), lambda t: [shutil.copy2(p, t / p.name)
-                                                         for p in heads_dir.iterdir() if p.is_file()])
+        result["checkpoint"] = str(latest)
     if cfg.medusa2.enabled:
         from .medusa2 import save_merged
 
         save_merged(run, run.run_dir / "merged")
         result["merged_model"] = str(run.run_dir / "merged")
-    if cfg.write_trees and "rank_accuracy" in report:
-        write_trees(report["rank_accuracy"], cfg.tree_budgets, Path(cfg.write_trees), str(heads_dir))
     d.barrier()
-    result.update(accuracy=report.get("topk_accuracy", []), history=state.get("history", []), eval=report)
+    result.update(accuracy=report.get("topk_accuracy", []), history=state.get("history", []), eval=report,
+                  trees=sorted(str(p) for p in (heads_dir / "trees").glob("*.yaml")), model=cfg.model)
     return result
 
 
-def write_trees(accuracy: list[list[float]], budgets: list[int], directory: Path, source: str) -> list[Path]:
+def write_trees(accuracy: list[list[float]], budgets: list[int], directory: Path) -> list[Path]:
     """tree-{budget}.yaml from measured head accuracies (medusa.tree.build_tree)."""
     from medusa.tree import build_tree
 
@@ -565,7 +565,7 @@ def write_trees(accuracy: list[list[float]], budgets: list[int], directory: Path
     for budget in budgets:
         tree = build_tree(accuracy, budget, name=f"tree-{budget}")
         lines = [f"# {budget}-node tree (root not counted), greedy construction from the measured per-head",
-                 f"# top-k accuracies of the trained heads ({Path(source).name}/eval.json).",
+                 "# top-k accuracies of the heads this directory belongs to (../eval.json).",
                  "# Each path lists top-k ranks: [i, j] = head 1's i-th token, then head 2's j-th.", "paths:"]
         lines += [f"  - {list(p)}" for p in tree.nodes]
         path = directory / f"tree-{budget}.yaml"

@@ -1,0 +1,158 @@
+"""`medusa export`: copy a run's heads, with their trees and eval.json, to a place the user names.
+
+A training run writes only under its run_dir. Putting heads anywhere else is this explicit step: `--out DIR`
+for any directory, `--to-shipped` for the heads `--heads default` loads, which is refused when the new heads
+measure worse than the shipped ones. Heads, `trees/` and `eval.json` are always copied together, into a
+temporary directory renamed into place, so a reader never sees heads with another run's trees.
+
+"Worse" is judged by tau, the expected accepted length per verification pass with the heads' own default
+tree, computed from the held-out rank accuracies in each one's eval.json (the quantity the greedy tree
+builder maximises). Each tau comes from its own run's held-out split, so small differences are noise.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from medusa.errors import MedusaError
+
+from .checkpoint import atomic_dir
+
+
+def _write_native(src: Path, dest: Path) -> None:
+    """Our layout as training wrote it: heads, eval.json, train_config.yaml, trees/ (and adapter/)."""
+    shutil.copytree(src, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".*"))
+
+
+# Output formats by name; each writes the exported heads from `src` into the (temporary) `dest`.
+FORMATS: dict[str, Callable[[Path, Path], None]] = {"native": _write_native}
+
+
+def shipped_dir() -> Path:
+    """The shipped heads (read at call time so tests can point it at a copy)."""
+    from medusa import heads
+
+    return Path(heads.SHIPPED_DIR)
+
+
+def expected_tau(paths: list[tuple[int, ...]], rank_accuracy: list[list[float]]) -> float:
+    """1 + sum over tree nodes of the product of the rank accuracies along the node's path: the expected
+    accepted length per pass if heads' hits are independent (ranks or depths not measured count as 0)."""
+    def hit(k: int, r: int) -> float:
+        return rank_accuracy[k][r] if k < len(rank_accuracy) and r < len(rank_accuracy[k]) else 0.0
+
+    total = 1.0
+    for path in paths:
+        p = 1.0
+        for k, r in enumerate(path):
+            p *= hit(k, r)
+        total += p
+    return total
+
+
+@dataclass
+class Measure:
+    tau: float
+    tree: str
+    top1: list[float]
+
+
+def measure(heads_dir: Path) -> Measure | None:
+    """tau of the heads' own default tree from their eval.json; None without a usable eval.json."""
+    from medusa.tree import DEFAULT_TREE, build_tree, load_tree
+
+    try:
+        report = json.loads((heads_dir / "eval.json").read_text())
+    except (OSError, ValueError):
+        return None
+    acc = report.get("rank_accuracy") if isinstance(report, dict) else None
+    if not acc:
+        return None
+    own = heads_dir / "trees" / f"{DEFAULT_TREE}.yaml"
+    budget = int(DEFAULT_TREE.rsplit("-", 1)[1])
+    tree = load_tree(str(own)) if own.exists() else build_tree(acc, budget, name=DEFAULT_TREE)
+    return Measure(expected_tau(tree.nodes, acc), DEFAULT_TREE, [a[0] for a in acc])
+
+
+def _check_heads(src: Path) -> None:
+    from medusa.heads import MedusaHeads
+
+    if not src.is_dir():
+        raise MedusaError(f"--heads: {src} is not a directory")
+    MedusaHeads.load(src)  # refuses a directory without (valid) heads
+
+
+def _inside(a: Path, b: Path) -> bool:
+    return a == b or b in a.parents
+
+
+def _check_out(src: Path, out: Path) -> None:
+    s, o = src.resolve(), out.resolve()
+    if _inside(o, s) or _inside(s, o):
+        raise MedusaError(f"--out: {out} must not be the heads directory {src}, inside it or above it")
+    if o == shipped_dir().resolve():
+        raise MedusaError(f"--out: {out} is the shipped heads directory; use --to-shipped (it checks that "
+                          "the new heads are not worse)")
+    if out.exists() and not out.is_dir():
+        raise MedusaError(f"--out: {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not any((out / f).exists() for f in ("heads.json", "config.json")):
+        raise MedusaError(f"--out: {out} is a non-empty directory that holds no heads; name a new or empty one")
+
+
+def export(src: Path, out: Path, fmt: str = "native") -> Path:
+    """Copy heads (with trees and eval.json) from `src` to `out`, replacing `out` atomically."""
+    if fmt not in FORMATS:
+        raise MedusaError(f"--format: unknown format {fmt!r} (choose {', '.join(sorted(FORMATS))})")
+    _check_heads(src)
+    _check_out(src, out)
+    return atomic_dir(out, lambda tmp: FORMATS[fmt](src, tmp))
+
+
+def _shipped_problems(src: Path, dest: Path, new: Measure | None, old: Measure | None) -> list[str]:
+    """Reasons not to replace the shipped heads, each overridable with --force."""
+    problems = []
+    if new is None:
+        problems.append(f"{src} has no eval.json with rank_accuracy, so it cannot be compared with the shipped "
+                        "heads")
+    elif old is not None and new.tau < old.tau:
+        problems.append(f"these heads measure worse than the shipped ones: tau {new.tau:.3f} < {old.tau:.3f} "
+                        f"with their {new.tree} (from each one's held-out eval.json)")
+    sizes = [_sizes(p) for p in (src, dest)]
+    if None not in sizes and sizes[0] != sizes[1]:
+        problems.append(f"these heads are for hidden size/vocabulary {sizes[0]}, the shipped ones for {sizes[1]}")
+    if (src / "adapter").exists():
+        problems.append("these heads were trained with a LoRA adapter (Medusa-2) and need its merged model")
+    return problems
+
+
+def _sizes(heads_dir: Path) -> tuple[int, int] | None:
+    try:
+        cfg = json.loads((heads_dir / "heads.json").read_text())
+        return int(cfg["hidden_size"]), int(cfg["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def export_to_shipped(src: Path, force: bool = False, fmt: str = "native") -> tuple[Measure | None, Measure | None]:
+    """Replace the shipped heads with `src`; returns (new, old) measures."""
+    from medusa.tree import DEFAULT_TREE
+
+    if fmt != "native":
+        raise MedusaError(f"--format: the shipped heads are stored in the native format, not {fmt!r}")
+    _check_heads(src)
+    dest = shipped_dir()
+    if _inside(dest.resolve(), src.resolve()):
+        raise MedusaError(f"--heads: {src} already is the shipped heads directory")
+    if not (src / "trees" / f"{DEFAULT_TREE}.yaml").exists():
+        raise MedusaError(f"--heads: {src} has no trees/{DEFAULT_TREE}.yaml, which the shipped heads need; "
+                          "write them with `medusa train --config CONFIG --eval-only`")
+    new, old = measure(src), measure(dest)
+    problems = _shipped_problems(src, dest, new, old)
+    if problems and not force:
+        raise MedusaError(f"--to-shipped: refused, {'; '.join(problems)}; pass --force to replace them anyway")
+    atomic_dir(dest, lambda tmp: FORMATS[fmt](src, tmp))
+    return new, old
