@@ -72,7 +72,10 @@ def summary(result: dict) -> str:
     lines = [f"run {run_dir} finished at step {result.get('step')}; everything is under it:",
              f"  heads        {heads}/ (heads, eval.json, train_config.yaml, trees/)"]
     if result.get("checkpoint"):
-        lines.append(f"  checkpoint   {result['checkpoint']}")
+        lines.append(f"  checkpoints  {Path(result['checkpoint']).parent}/ (latest {Path(result['checkpoint']).name})")
+    for sub, what in (("hidden", "hidden cache"), ("wandb", "wandb logs")):
+        if (Path(run_dir) / sub).is_dir():
+            lines.append(f"  {what:<12} {Path(run_dir) / sub}/")
     if result.get("merged_model"):
         lines.append(f"  merged model {result['merged_model']}")
     acc = result.get("eval", {}).get("rank_accuracy") or []

@@ -552,7 +552,8 @@ def finish(run: Run, eval_ex: list[dict], state: dict) -> dict:
         result["merged_model"] = str(run.run_dir / "merged")
     d.barrier()
     result.update(accuracy=report.get("topk_accuracy", []), history=state.get("history", []), eval=report,
-                  trees=sorted(str(p) for p in (heads_dir / "trees").glob("*.yaml")), model=cfg.model)
+                  trees=[str(heads_dir / "trees" / f"tree-{b}.yaml") for b in cfg.tree_budgets if "rank_accuracy" in report],
+                  model=cfg.model)
     return result
 
 
