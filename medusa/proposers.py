@@ -35,7 +35,7 @@ class MedusaProposer:
     def __init__(self, heads: MedusaHeads, tree: Tree | str = DEFAULT_TREE, projection: torch.nn.Module | None = None):
         self.heads = heads
         self.projection = projection  # the engine's (possibly packed) lm_head, for shared-projection heads
-        self.tree = load_tree(tree) if isinstance(tree, str) else tree
+        self.tree = load_tree(tree, heads_dir=heads.directory) if isinstance(tree, str) else tree
         self.tree.check_heads(heads.config.num_heads)
         vocab = heads.config.candidates or heads.config.vocab_size
         if self.tree.topk > vocab:
