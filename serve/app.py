@@ -2,6 +2,12 @@
 
 POST /v1/chat/completions, /v1/completions (JSON or SSE streaming), GET /v1/models, /health, /metrics.
 Every failure is answered as {"error": {"message", "type", "param", "code"}} with a 4xx/5xx status.
+
+Input is checked at the edge, before anything reaches the engine: body size (413), JSON syntax, nesting
+depth and text encoding, then the request model's types and bounds (400). Parsing, tokenisation and chat
+template rendering run in a worker thread, so a large prompt never holds up the event loop that writes
+every stream. An unexpected exception becomes a 500 that names a request id (the log has the traceback);
+exception text never reaches the client.
 """
 
 from __future__ import annotations
@@ -16,11 +22,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import anyio
+import jinja2
 from fastapi import FastAPI, Request as HttpRequest
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from medusa.errors import MedusaError
 from medusa.runtime import Runtime
@@ -30,12 +41,16 @@ from medusa.tree import Tree, chain, load_tree
 from .config import ServeConfig
 from .metrics import Metrics
 from .policy import Decision, SpeculationPolicy
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, torch_seed
 from .scheduler import Event, Overloaded, Request, Scheduler
 
 log = logging.getLogger("serve.app")
 POLL_S = 0.25  # how often a waiting handler checks whether its client is still connected
-RETRY_AFTER_S = 1
+MAX_JSON_DEPTH = 16  # the deepest valid body is 5 levels (messages -> message -> content -> part)
+MAX_PARAM_ECHO = 64  # characters of a client-chosen field name quoted back in an error
+UNCOUNTED = ("/health", "/metrics")  # polled by monitors: not requests whose outcome is of interest
+OUTCOME = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "too_large",
+           429: "queue_full", 499: "cancelled", 503: "unavailable"}
 
 
 class ApiError(Exception):
@@ -53,6 +68,55 @@ def error_body(message: str, error_type: str, param: str | None = None, code: st
 def error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code), exc.status,
                         headers=exc.headers)
+
+
+def outcome_of(status: int, code: str | None = None) -> str:
+    """The `medusa_responses_total` label of a response."""
+    if 200 <= status < 300:
+        return "ok"
+    if status == 503 and code == "queue_timeout":
+        return code
+    return OUTCOME.get(status, "server_error" if status >= 500 else "client_error")
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:24]
+
+
+class Guard:
+    """ASGI wrapper around the routes: gives each request an id (`X-Request-Id`), turns any exception that
+    escaped the handlers into an OpenAI-shaped 500 naming that id (the traceback goes to the log, not the
+    client; and the connection stays usable, where the stock handler re-raises into the server), and
+    counts every response by outcome."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        rid = state["request_id"] = new_request_id()
+        status = 0
+
+        async def tracked(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", []).append((b"x-request-id", rid.encode()))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            log.exception("request %s failed", rid)
+            state["outcome"] = "server_error"
+            if not status:  # nothing sent yet: the client still gets a proper answer
+                body = error_body(f"internal server error (request id {rid})", "server_error")
+                await JSONResponse(body, 500)(scope, receive, tracked)
+        if scope["path"] not in UNCOUNTED:
+            self.metrics.responses.labels(state.get("outcome") or outcome_of(status)).inc()
 
 
 def tree_by_name(name: str) -> Tree:
@@ -118,7 +182,7 @@ class Server:
                     for m in body.messages]
         try:
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # template errors (e.g. role order the template refuses) are the input's
+        except jinja2.TemplateError as exc:  # the template refuses the input (e.g. the role order)
             raise ApiError(400, f"messages could not be formatted with the chat template: {exc}",
                            "messages") from None
         ids = ids["input_ids"] if not isinstance(ids, list) else ids
@@ -135,7 +199,7 @@ class Server:
         return list(self.rt.tokenizer(text)["input_ids"])
 
     def make_request(self, prompt: list[int], body: Any, max_tokens: int | None, param: str,
-                     on_event: Any) -> Request:
+                     on_event: Any, tag: str = "") -> Request:
         if not prompt:
             raise ApiError(400, "the prompt is empty", param)
         room = self.cfg.max_context - len(prompt)
@@ -150,25 +214,105 @@ class Server:
                            "context_length_exceeded")
         try:
             sampling = SamplingParams(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0,
-                                      seed=body.seed)
+                                      top_k=body.top_k or 0,
+                                      seed=None if body.seed is None else torch_seed(body.seed))
         except MedusaError as exc:
             raise ApiError(400, str(exc), "temperature") from None
-        return Request(prompt, max_tokens, on_event, sampling, body.stop_list())
+        return Request(prompt, max_tokens, on_event, sampling, body.stop_list(), tag=tag)
+
+    def prepare(self, raw: bytes, chat: bool) -> tuple[Any, list[int], int | None, str]:
+        """Body bytes -> (request model, prompt token ids, max tokens, the prompt's field name).
+
+        Runs in a worker thread: parsing and tokenising a large body takes long enough to stall streams."""
+        if chat:
+            body = parse_body(raw, ChatCompletionRequest)
+            self.check_model(body.model)
+            if body.max_tokens is not None and body.max_completion_tokens is not None:
+                raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
+            limit = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+            return body, self.chat_prompt(body), limit, "messages"
+        body = parse_body(raw, CompletionRequest)
+        self.check_model(body.model)
+        return body, self.completion_prompt(body), body.max_tokens, "prompt"
+
+
+async def read_body(http: HttpRequest, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    too_large = ApiError(413, f"request body is larger than this server's limit of {limit} bytes", None,
+                         "request_too_large")
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def load_json(raw: bytes) -> Any:
+    """json.loads, with every way the input can be malformed as a 400 (including NaN/Infinity, which
+    Python accepts but JSON does not, and nesting too deep for the parser)."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constants)
+    except RecursionError:
+        raise ApiError(400, f"request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, bad UTF-8, over-long integers
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    check_json(data)
+    return data
+
+
+def check_json(data: Any) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH and text that is not valid Unicode (JSON's `\ud800`
+    escapes decode to lone surrogates, which no tokenizer or UTF-8 writer accepts)."""
+    stack: list[tuple[Any, int, tuple]] = [(data, 1, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
+                           _param(path))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                _check_text(key, path)
+            if isinstance(item, (str, dict, list)):  # numbers are the bulk of a token-id prompt: skip fast
+                stack.append((item, depth + 1, path + (key,)))
+
+
+def _check_text(text: str, path: tuple) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"invalid text in {_param(path) or 'the request body'}: character {exc.start} is "
+                       "a lone UTF-16 surrogate (not valid Unicode)", _param(path)) from None
+
+
+def _param(path: tuple) -> str | None:
+    return ".".join(str(p) for p in path)[:MAX_PARAM_ECHO] or None
 
 
 def parse_body(raw: bytes, model: type) -> Any:
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    data = load_json(raw)
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        # In a union every member reports; a bound that failed says more than "not a string".
+        errors = exc.errors()
+        err = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
         loc = [str(x) for x in err["loc"] if not _is_type_tag(str(x))]
-        param = ".".join(loc) or None
+        param = ".".join(loc)[:MAX_PARAM_ECHO] or None
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = f"unknown field {param!r} (not supported by this server)"
@@ -182,7 +326,7 @@ def parse_body(raw: bytes, model: type) -> Any:
 
 def _is_type_tag(part: str) -> bool:
     """pydantic puts the union member tried (`str`, `list[int]`, `function-after[...]`) into `loc`."""
-    return part in ("str", "int", "float", "bool") or "[" in part
+    return part in ("str", "int", "float", "bool") or "[" in part or part.startswith("constrained-")
 
 
 def sse(obj: Any) -> str:
@@ -224,28 +368,32 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
         yield
         server.scheduler.stop()
 
-    app = FastAPI(title="medusa", lifespan=lifespan)
+    docs = cfg.docs
+    app = FastAPI(title="medusa", lifespan=lifespan, openapi_url="/openapi.json" if docs else None,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
     app.state.server = server
+    app.add_middleware(Guard, metrics=server.metrics)
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
+    async def _api_error(http: HttpRequest, exc: ApiError) -> JSONResponse:
+        http.state.outcome = outcome_of(exc.status, exc.code)
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: HttpRequest, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), kind), exc.status_code, headers=exc.headers)
 
-    @app.exception_handler(Exception)
-    async def _crash(_: HttpRequest, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(error_body(f"internal server error: {exc}", "server_error"), 500)
-
-    @app.get("/health")
-    async def health() -> dict:
+    @app.get("/health", responses={503: {"description": "the decoding engine failed and has not recovered"}})
+    async def health() -> Response:
         running, queued = server.scheduler.load
-        return {"status": "ok", "model": server.name, "running": running, "queued": queued,
+        body = {"status": "ok", "model": server.name, "running": running, "queued": queued,
                 "steps": server.scheduler.steps}
+        fault = server.scheduler.fault
+        if fault is not None:
+            return JSONResponse({**body, "status": "unhealthy", "error": fault}, 503)
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -256,33 +404,41 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
         return {"object": "list", "data": [{"id": server.name, "object": "model", "created": 0,
                                             "owned_by": "medusa"}]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest), responses=ERRORS)
     async def chat(http: HttpRequest) -> Response:
-        body = parse_body(await http.body(), ChatCompletionRequest)
-        server.check_model(body.model)
-        if body.max_tokens is not None and body.max_completion_tokens is not None:
-            raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
-        limit = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        return await run(http, body, server.chat_prompt(body), limit, "messages", chat=True)
+        return await handle(http, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest), responses=ERRORS)
     async def completions(http: HttpRequest) -> Response:
-        body = parse_body(await http.body(), CompletionRequest)
-        server.check_model(body.model)
-        return await run(http, body, server.completion_prompt(body), body.max_tokens, "prompt", chat=False)
+        return await handle(http, chat=False)
+
+    async def handle(http: HttpRequest, chat: bool) -> Response:
+        raw = await read_body(http, cfg.max_body_bytes)
+        body, prompt, limit, param = await anyio.to_thread.run_sync(server.prepare, raw, chat)
+        return await run(http, body, prompt, limit, param, chat)
+
+    def overloaded(status: int, message: str, code: str | None, error_type: str) -> ApiError:
+        retry = {"Retry-After": str(server.scheduler.retry_after())}
+        return ApiError(status, message, None, code, error_type, retry)
+
+    def failed(ev: Event) -> ApiError:
+        if ev.status in (429, 503):
+            return overloaded(ev.status, ev.text, ev.code, ev.error_type)
+        return ApiError(ev.status, ev.text, None, ev.code, ev.error_type)
 
     async def run(http: HttpRequest, body: Any, prompt: list[int], max_tokens: int | None, param: str,
                   chat: bool) -> Response:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
+        shape = Shape(chat, server.name, len(prompt), http.state.request_id)
         req = server.make_request(prompt, body, max_tokens, param,
-                                  lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+                                  lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                                  http.state.request_id)
         try:
             server.scheduler.submit(req)
         except Overloaded:
-            raise ApiError(429, "server overloaded: the request queue is full; retry later", None,
-                           "queue_full", "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)}) from None
-        shape = Shape(chat, server.name, len(prompt))
+            raise overloaded(429, "server overloaded: the request queue is full; retry later", "queue_full",
+                             "rate_limit_error") from None
         # Wait for the first result before answering, so queue timeouts and errors get a real status.
         watch = ClientWatch(http, events)
         first = await watch.next()
@@ -290,11 +446,10 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
             server.scheduler.cancel(req)
             return Response(status_code=499)
         if first.kind == "error":
-            raise ApiError(first.status, first.text, None, first.code, first.error_type,
-                           {"Retry-After": str(RETRY_AFTER_S)} if first.status == 503 else None)
+            raise failed(first)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(watch, req, first, shape, usage),
+            return StreamingResponse(stream(http, watch, req, first, shape, usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text, ev = "", first
         while True:
@@ -302,20 +457,22 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
                 server.scheduler.cancel(req)
                 return Response(status_code=499)
             if ev.kind == "error":
-                raise ApiError(ev.status, ev.text, None, ev.code, ev.error_type)
+                raise failed(ev)
             text += ev.text
             if ev.kind == "done":
                 return JSONResponse(shape.full(text, ev))
             ev = await watch.next()
 
-    async def stream(watch: ClientWatch, req: Request, first: Event, shape: "Shape",
+    async def stream(http: HttpRequest, watch: ClientWatch, req: Request, first: Event, shape: "Shape",
                      usage: bool) -> AsyncIterator[str]:
+        http.state.outcome = "cancelled"  # until the stream ends one way or the other
         try:
             if shape.chat:
                 yield sse(shape.chunk({"role": "assistant", "content": ""}, None))
             ev: Event | None = first
             while ev is not None:
                 if ev.kind == "error":
+                    http.state.outcome = outcome_of(ev.status, ev.code)
                     yield sse(error_body(ev.text, ev.error_type, None, ev.code))
                     break
                 if ev.text:
@@ -325,6 +482,7 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
                     if usage:
                         yield sse(shape.usage_chunk(ev))
                     yield "data: [DONE]\n\n"
+                    http.state.outcome = "ok"
                     break
                 ev = await watch.next()
         finally:
@@ -333,12 +491,39 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
     return app
 
 
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": what} for status, what in (
+        (400, "invalid request (the field is in `param`)"), (404, "unknown model"),
+        (413, "request body too large"), (429, "request queue full (see Retry-After)"),
+        (500, "internal error (the message names a request id)"),
+        (503, "no batch row within queue_timeout_s (see Retry-After)"))}
+
+
+def request_body(model: type) -> dict[str, Any]:
+    """The OpenAPI requestBody of a route that reads its body itself (to bound its size and parse it in a
+    worker thread), so the schema still documents it."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """The app's OpenAPI schema with the request models added under components (served at
+    /openapi.json only with `docs: true`; tests and tools can always call `app.openapi()`)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _, defs = models_json_schema([(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+                                     ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 class Shape:
     """Builds OpenAI response objects for one request (chat or text completion)."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int):
+    def __init__(self, chat: bool, model: str, prompt_tokens: int, request_id: str):
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
 
     def usage(self, ev: Event) -> dict:

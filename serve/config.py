@@ -70,6 +70,12 @@ class ServeConfig(BaseModel):
     max_queue: int = Field(64, ge=0)  # requests waiting for a slot; beyond it new ones get 429
     queue_timeout_s: float = Field(60.0, gt=0)
     prefill_tokens_per_step: int = Field(512, ge=1)  # prompt tokens prefilled between two decode steps
+    # Largest request body accepted (bytes); larger ones get 413 before they are read. 1 MiB holds any
+    # prompt that fits a 2048-token context many times over.
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    # Serve the OpenAPI schema and its pages (/openapi.json, /docs, /redoc); off so a public server does
+    # not advertise itself.
+    docs: bool = False
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

@@ -16,6 +16,15 @@ class Metrics:
                                 registry=r)
         self.rejected = Counter("medusa_requests_rejected", "Requests refused by cause", ["cause"],
                                 registry=r)
+        self.responses = Counter("medusa_responses", "HTTP requests by outcome: ok, cancelled, or the error "
+                                 "kind (bad_request, not_found, method_not_allowed, too_large, queue_full, "
+                                 "queue_timeout, unavailable, server_error)", ["outcome"], registry=r)
+        self.failures = Counter("medusa_failures", "Internal failures by stage: prefill, row (tokens of one "
+                                "request), proposer (step redone without speculation), engine (batch failed)",
+                                ["stage"], registry=r)
+        self.healthy = Gauge("medusa_engine_healthy", "0 after a failed decoding step until one succeeds",
+                             registry=r)
+        self.healthy.set(1)
         self.prompt_tokens = Counter("medusa_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.tokens = Counter("medusa_generated_tokens", "Completion tokens generated", registry=r)
         self.ttft = Histogram("medusa_time_to_first_token_seconds", "Arrival to first token",

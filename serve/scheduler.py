@@ -6,12 +6,19 @@ behind a burst of long prompts), then run one decode step in the mode the specul
 New tokens are detokenised incrementally per request; a stop string ends the request there (the row is
 removed from the batch and the string trimmed from the text). Results go back to the HTTP side through a
 callback per request that must be thread-safe (the app hands in `loop.call_soon_threadsafe`).
+
+Failures are contained to the request that caused them where it can be told apart: a prefill that raises is
+retried one request at a time, so only the request that fails alone is refused; detokenising or delivering
+one row's tokens that raises retires that row; a speculative step whose proposer raises is redone without
+speculation. Only a step that fails as such (the engine's own fault) fails every running request; the
+engine is then reported unhealthy until a step succeeds again (a probe decode runs while idle).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -28,6 +35,9 @@ from .metrics import Metrics
 from .policy import Decision, SpeculationPolicy
 
 log = logging.getLogger("serve.scheduler")
+PROBE_INTERVAL_S = 2.0  # how often an idle, unhealthy engine tries a one-row probe decode
+DRAIN_WINDOW_S = 30.0  # completions over this window give the drain rate behind Retry-After
+RETRY_AFTER_MAX_S = 120
 
 
 @dataclass
@@ -57,6 +67,7 @@ class Request:
     last_token_at: float | None = None
     cancelled: bool = False
     done: bool = False
+    tag: str = ""  # the id the client sees (response id), quoted in error messages and the log
 
 
 class Overloaded(Exception):
@@ -83,6 +94,11 @@ class Scheduler:
         self.stopping = False
         self.steps = 0
         self.tau_sum, self.tau_steps = 0.0, 0
+        self.started_at = time.monotonic()
+        self.completions: deque[float] = deque(maxlen=4096)  # monotonic times rows were freed
+        self.fault: str | None = None  # set while the engine is unhealthy: what failed
+        self.probed_at = 0.0
+        self.proposer_failures = 0
 
     # ---- called from the HTTP side -------------------------------------------------------------------
     def start(self) -> None:
@@ -118,25 +134,46 @@ class Scheduler:
     def load(self) -> tuple[int, int]:
         return len(self.running), len(self.queue)
 
+    @property
+    def healthy(self) -> bool:
+        return self.fault is None
+
+    def retry_after(self) -> int:
+        """Seconds until a new request would likely get a row: the requests ahead of it over the rate rows
+        were freed in the last DRAIN_WINDOW_S, clamped to [1, RETRY_AFTER_MAX_S]."""
+        now = time.monotonic()
+        with self.cond:
+            ahead = len(self.queue) + 1 - max(self.max_batch - len(self.running), 0)
+            while self.completions and now - self.completions[0] > DRAIN_WINDOW_S:
+                self.completions.popleft()
+            freed = len(self.completions)
+        if ahead <= 0:
+            return 1
+        window = min(DRAIN_WINDOW_S, max(now - self.started_at, 1.0))
+        if freed == 0:  # nothing drained lately: no evidence of an early slot
+            return RETRY_AFTER_MAX_S
+        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(ahead * window / freed)))
+
     # ---- the engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while True:
             with self.cond:
-                while not (self.stopping or self.queue or self.running):
+                while not (self.stopping or self.queue or self.running or self._probe_due()):
                     self.cond.wait(timeout=0.5)
                 if self.stopping:
                     break
                 admitted = self._take_admissible()
             try:
+                if not (admitted or self.running) and self._probe_due():
+                    self._probe()
                 self._drop_cancelled()
                 if admitted:
                     self._prefill(admitted)
                 if self.batch.n:
                     self._decode()
-            except Exception as exc:  # a bug must not take the server down: fail the batch, keep serving
-                log.exception("engine step failed")
-                self._fail_all(f"internal error in the decoding loop: {exc}")
+            except Exception as exc:  # the engine itself failed: fail the batch, say so, keep serving
+                self._engine_fault(exc)
             self._update_gauges()
         self._fail_all("server is shutting down", status=503)
 
@@ -176,21 +213,45 @@ class Scheduler:
                 self._finish(r, "cancelled")
 
     def _prefill(self, reqs: list[Request]) -> None:
-        ids = [r.id for r in reqs]
-        prompts = [r.prompt for r in reqs]
-        limits = [r.max_tokens for r in reqs]
+        """Add requests to the batch; when that fails, add them one at a time so only the culprit fails."""
+        try:
+            out = self._add(reqs)
+        except Exception as exc:
+            if len(reqs) == 1:
+                self._refuse(reqs[0], exc)
+                return
+            log.warning("prefill of %d requests failed (%s: %s); admitting them one at a time", len(reqs),
+                        type(exc).__name__, exc)
+            for r in reqs:
+                self._prefill([r])
+            return
+        self.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in reqs))
+        self._deliver(out)
+
+    def _add(self, reqs: list[Request]) -> StepOutput:
+        n0 = self.batch.n
         for r in reqs:
             self.running[r.id] = r
         try:
-            out = self.engine.add(self.batch, ids, prompts, limits, sampling=[r.sampling for r in reqs])
-        except MedusaError as exc:
-            # The engine checks its input before touching the batch: only these requests fail.
+            return self.engine.add(self.batch, [r.id for r in reqs], [r.prompt for r in reqs],
+                                   [r.max_tokens for r in reqs], sampling=[r.sampling for r in reqs])
+        except BaseException:
             for r in reqs:
-                del self.running[r.id]
-                self._error(r, 400, str(exc), "invalid_request_error", None)
+                self.running.pop(r.id, None)
+            # New rows go after the first n0, and only they can finish inside `add`: rows below n0 are
+            # untouched, so cutting the batch back to n0 rows undoes the failed admission.
+            del self.batch.ids[n0:]
+            self.batch.n = n0
+            raise
+
+    def _refuse(self, req: Request, exc: Exception) -> None:
+        if isinstance(exc, MedusaError):  # the engine's own input check: the request's fault
+            self._error(req, 400, str(exc), "invalid_request_error", None)
             return
-        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-        self._deliver(out)
+        log.error("request %s failed in prefill", req.tag, exc_info=exc)
+        self.metrics.failures.labels("prefill").inc()
+        self._error(req, 500, f"internal error while starting this request (request id {req.tag})",
+                    "server_error", None)
 
     def _decode(self) -> None:
         with self.cond:
@@ -200,11 +261,19 @@ class Scheduler:
         if proposer is None and decision.mode != "plain":
             decision = Decision("plain", None, f"{decision.mode} unavailable")
         stats = self.batch.stats
-        hist0, rows0 = list(stats.accept_hist), stats.row_steps
+        hist0, rows0, steps0 = list(stats.accept_hist), stats.row_steps, stats.steps
         n = self.batch.n
         start = time.perf_counter()
-        out = self.engine.step(self.batch, proposer)
+        try:
+            out = self.engine.step(self.batch, proposer)
+        except Exception as exc:
+            if proposer is None or self.batch.stats.steps != steps0:
+                raise
+            decision, proposer = self._without_proposer(decision, exc)
+            out = self.engine.step(self.batch, None)
         seconds = time.perf_counter() - start
+        if self.fault is not None:
+            self._recovered("a decode step succeeded")
         self.metrics.step_seconds.observe(seconds)
         self.steps += 1
         self.metrics.steps.labels(decision.mode).inc()
@@ -218,6 +287,15 @@ class Scheduler:
         log.debug("step %d: %s%s rows=%d tau=%.2f %.1f ms", self.steps, decision.mode,
                   f" {decision.tree}" if decision.tree else "", n, tau, 1000 * seconds)
         self._deliver(out)
+
+    def _without_proposer(self, decision: Decision, exc: Exception) -> tuple[Decision, None]:
+        """A proposer that raised before the step committed anything: redo the step plainly (lossless)."""
+        self.proposer_failures += 1
+        self.metrics.failures.labels("proposer").inc()
+        n = self.proposer_failures
+        log.error("%s proposal failed (%d so far): %s: %s; this step decodes without speculation",
+                  decision.mode, n, type(exc).__name__, exc, exc_info=exc if n & (n - 1) == 0 else None)
+        return Decision("plain", None, f"{decision.mode} failed"), None
 
     def _acceptance(self, proposer: Any, hist0: list[int], rows0: int) -> float:
         """Tokens per row of the step just taken (tau); updates the acceptance metrics."""
@@ -238,29 +316,49 @@ class Scheduler:
         finished = {f.id: f.reason for f in out.finished}
         counts = out.counts.tolist()
         stopped: list[Request] = []
+        broken: list[tuple[Request, Exception]] = []
         for i, rid in enumerate(out.ids):
             req = self.running.get(rid)
             if req is None:
                 continue
-            new = out.tokens[i, : counts[i]].tolist()
-            if new:
-                if req.first_token_at is None:
-                    req.first_token_at = now
-                    self.metrics.ttft.observe(now - req.arrival)
-                req.last_token_at = now
-                req.tokens.extend(new)
-                self.metrics.tokens.inc(len(new))
-            hit_stop = self._detokenize(req, final=rid in finished)
-            if rid in finished:
-                del self.running[rid]
-                self._finish(req, "stop" if hit_stop else finished[rid])
-            elif hit_stop:
-                stopped.append(req)
+            try:  # a try costs nothing until it catches: no per-row price on the hot path
+                if self._take(req, out.tokens[i, : counts[i]].tolist(), now, rid in finished):
+                    stopped.append(req)
+                elif rid in finished:
+                    del self.running[rid]
+                    self._finish(req, finished[rid])
+            except Exception as exc:
+                broken.append((req, exc))
         if stopped:
-            self.batch.remove([r.id for r in stopped])
+            self.batch.remove([r.id for r in stopped if r.id in self.batch.ids])
             for r in stopped:
                 del self.running[r.id]
                 self._finish(r, "stop")
+        if broken:
+            self._retire(broken)
+
+    def _take(self, req: Request, new: list[int], now: float, final: bool) -> bool:
+        """Append a row's new tokens and send the text they complete; True when a stop string was hit."""
+        if new:
+            if req.first_token_at is None:
+                req.first_token_at = now
+                self.metrics.ttft.observe(now - req.arrival)
+            req.last_token_at = now
+            req.tokens.extend(new)
+            self.metrics.tokens.inc(len(new))
+        return self._detokenize(req, final=final)
+
+    def _retire(self, broken: list[tuple[Request, Exception]]) -> None:
+        """Rows whose results could not be handled leave the batch with an error; the others go on."""
+        in_batch = [r.id for r, _ in broken if r.id in self.batch.ids]
+        if in_batch:
+            self.batch.remove(in_batch)
+        for req, exc in broken:
+            log.error("request %s failed while handling its tokens", req.tag, exc_info=exc)
+            self.metrics.failures.labels("row").inc()
+            self.running.pop(req.id, None)
+            self._error(req, 500, f"internal error while decoding this request (request id {req.tag})",
+                        "server_error", None)
 
     def _detokenize(self, req: Request, final: bool) -> bool:
         """Update the request's text, send what is safe to send; True when a stop string was hit."""
@@ -288,6 +386,7 @@ class Scheduler:
         if req.done:
             return
         req.done = True
+        self.completions.append(time.monotonic())
         self.metrics.requests.labels(reason).inc()
         if req.first_token_at is not None and len(req.tokens) > 1:
             self.metrics.tpot.observe((req.last_token_at - req.first_token_at) / (len(req.tokens) - 1))
@@ -297,20 +396,56 @@ class Scheduler:
             req.on_event(Event("done", tail, len(req.tokens), finish_reason=reason))
 
     def _error(self, req: Request, status: int, message: str, error_type: str, code: str | None) -> None:
-        if not req.done:
-            req.done = True
+        if req.done:
+            return
+        req.done = True
+        self.completions.append(time.monotonic())
+        try:
             req.on_event(Event("error", message, status=status, error_type=error_type, code=code))
+        except Exception:  # the receiver is gone (e.g. its event loop closed): nothing left to tell
+            log.warning("could not deliver the error of request %s", req.tag, exc_info=True)
 
     def _fail_all(self, message: str, status: int = 500) -> None:
+        """Fail every running request (and on shutdown, 503, the queued ones too) and reset the batch.
+
+        `message` may contain `{tag}`, replaced by each request's id."""
         with self.cond:
             victims = list(self.running.values()) + (list(self.queue) if status == 503 else [])
             self.running.clear()
             if status == 503:
                 self.queue.clear()
         for r in victims:
-            self._error(r, status, message, "server_error", None)
+            self._error(r, status, message.replace("{tag}", r.tag), "server_error", None)
         # A failed step may have left the batch half-updated: start from a clean one.
         self.batch = self.engine.new_batch(self.max_batch, self.capacity, self.max_context)
+
+    # ---- engine faults and health -------------------------------------------------------------------
+    def _engine_fault(self, exc: Exception) -> None:
+        tags = ", ".join(r.tag for r in self.running.values())
+        log.error("decoding step failed; failing the running requests (%s)", tags or "none", exc_info=exc)
+        self.metrics.failures.labels("engine").inc()
+        self.fault = f"decoding step failed: {type(exc).__name__}"
+        self.metrics.healthy.set(0)
+        self.probed_at = time.monotonic()
+        self._fail_all("internal error in the decoding engine; the batch was reset (request id {tag})")
+
+    def _probe_due(self) -> bool:
+        return self.fault is not None and time.monotonic() - self.probed_at >= PROBE_INTERVAL_S
+
+    def _probe(self) -> None:
+        """One short decode on a batch of its own: the engine is healthy again once this works."""
+        self.probed_at = time.monotonic()
+        try:
+            self.engine.generate([[0]], 2)
+        except Exception as exc:
+            log.warning("engine probe failed: %s: %s", type(exc).__name__, exc)
+            return
+        self._recovered("a probe decode succeeded")
+
+    def _recovered(self, why: str) -> None:
+        log.warning("engine healthy again (%s) after: %s", why, self.fault)
+        self.fault = None
+        self.metrics.healthy.set(1)
 
     def _update_gauges(self) -> None:
         self.metrics.running.set(len(self.running))
