@@ -5,6 +5,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
+FAILURE_STAGES = ("prefill", "row", "proposer", "engine")
+OUTCOMES = ("ok", "cancelled", "bad_request", "not_found", "method_not_allowed", "too_large", "queue_full",
+            "queue_timeout", "unavailable", "server_error")
 
 
 class Metrics:
@@ -25,6 +28,12 @@ class Metrics:
         self.healthy = Gauge("medusa_engine_healthy", "0 after a failed decoding step until one succeeds",
                              registry=r)
         self.healthy.set(1)
+        # Every label exists from the start: a series that appears only at the first failure hides the
+        # moment it went from 0 to 1 from rate() and alerts.
+        for stage in FAILURE_STAGES:
+            self.failures.labels(stage)
+        for outcome in OUTCOMES:
+            self.responses.labels(outcome)
         self.prompt_tokens = Counter("medusa_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.tokens = Counter("medusa_generated_tokens", "Completion tokens generated", registry=r)
         self.ttft = Histogram("medusa_time_to_first_token_seconds", "Arrival to first token",
