@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from .hardware import DTYPE_CHOICES
 from .heads import HeadsConfig, MedusaHeads
 from .prompts import load_prompts
 from .tree import chain, load_tree
@@ -24,7 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--heads", default="default")
     p.add_argument("--tree", default=None)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,bf16,fp16,fp32}")
     p.add_argument("--device", default=None)
     p.add_argument("--prompts", default="mtbench", help="mtbench, sharegpt or a file")
     p.add_argument("--num-prompts", type=int, default=6)

@@ -10,6 +10,7 @@ import os
 import sys
 
 from .errors import MedusaError
+from .hardware import DTYPE_CHOICES
 
 # Subcommands that live elsewhere register themselves through `add_parser(subparsers)`.
 EXTERNAL_COMMANDS = ["medusa.bench", "medusa.evaluate", "train.cli", "serve.cli"]
@@ -19,7 +20,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct), a model "
                    "directory, a .gguf file or a hub id")
     p.add_argument("--heads", default="default", help="heads directory, 'default' (shipped) or 'none'")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,bf16,fp16,fp32}",
+                   help="auto (default): bf16 where the hardware multiplies it natively, fp32 elsewhere")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
 
 
@@ -84,7 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = rt.encode(args.prompt, raw=args.raw)
     proposer = rt.proposer(args.mode, args.tree)
     gen = rt.engine.generate(prompts, args.max_new_tokens, proposer, sampling)
-    stats = {"mode": gen.mode, "acceptance": sampling.acceptance if not sampling.greedy else "greedy",
+    stats = {"mode": gen.mode, "dtype": rt.dtype.name, "acceptance": sampling.acceptance if not sampling.greedy else "greedy",
              "batch_size": len(prompts), "new_tokens": gen.stats.new_tokens,
              "forward_passes": gen.stats.forward_passes, "mean_accepted": round(gen.stats.mean_accepted, 4),
              "tokens_per_s": round(gen.tokens_per_s, 2), "seconds": round(gen.seconds, 3)}

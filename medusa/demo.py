@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 from .errors import MedusaError
+from .hardware import DTYPE_CHOICES
 from .runtime import Runtime
 
 PROMPTS = ["Explain in three sentences why the sky is blue.",
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", action="append", help="prompt (repeatable); two built-in ones by default")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tree", default=None)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,bf16,fp32}")
     args = p.parse_args(argv)
     try:
         rt = Runtime.load("default", "default", args.dtype)

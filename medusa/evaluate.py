@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .config import read_json, read_yaml
 from .errors import MedusaError
+from .hardware import DTYPE_CHOICES, check_dtype_spelling
 from .sampling import SamplingParams
 from .tree import DEFAULT_TREE
 
@@ -64,7 +65,7 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str = "default"
     heads: str = "default"
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    dtype: str = "auto"               # auto (the machine's choice), bf16, fp16, fp32 (and their long names)
     device: str | None = None
     prompts: str = "mtbench"          # mtbench, sharegpt or a local .txt/.json/.jsonl file
     raw_prompts: bool = False         # tokenise prompts as raw text (no chat template)
@@ -100,6 +101,11 @@ class EvalConfig(BaseModel):
             return None
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, acceptance=self.acceptance,
                               seed=self.seed * 1_000_003 + request)
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        return check_dtype_spelling(v)
 
     @field_validator("batch_sizes", "hf_batch_sizes")
     @classmethod
@@ -372,7 +378,8 @@ def load_prompts_count(cfg: EvalConfig) -> list[str]:
 
 def _report(rt, cfg: EvalConfig, num_prompts: int, results: list[dict], cost: dict) -> dict:
     return {"model": getattr(rt.hf_model, "name_or_path", cfg.model), "device": str(rt.model.device),
-            "dtype": cfg.dtype, "threads": torch.get_num_threads(), "prompts": cfg.prompts,
+            "dtype": rt.dtype.name, "machine": rt.machine.to_dict(), "threads": torch.get_num_threads(),
+            "prompts": cfg.prompts,
             "num_prompts": num_prompts, "max_new_tokens": cfg.max_new_tokens,
             "batch_sizes": cfg.batch_sizes, "repeats": cfg.repeats,
             "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "acceptance": cfg.acceptance}
@@ -508,7 +515,7 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
                                                                rt.model.device, cm.repeats).items()}
     bar.close()
     model = {"model": getattr(rt.hf_model, "name_or_path", cfg.model), "device": str(rt.model.device),
-             "dtype": cfg.dtype, "prefix_tokens": cm.prefix, "latency_ms": lat,
+             "dtype": rt.dtype.name, "prefix_tokens": cm.prefix, "latency_ms": lat,
              "acceptance": {k: v for k, v in acc.items() if v}}
     return apply_measurements(predict(model, cfg.batch_sizes), results)
 
@@ -567,7 +574,7 @@ def add_parser(subparsers) -> None:
     e.add_argument("--repeats", type=int, default=None)
     e.add_argument("--model", default=None)
     e.add_argument("--heads", default=None)
-    e.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"])
+    e.add_argument("--dtype", default=None, choices=DTYPE_CHOICES, metavar="{auto,bf16,fp16,fp32}")
     e.add_argument("--device", default=None)
     e.add_argument("--temperature", type=float, default=None, help="sample at this temperature (0: greedy)")
     e.add_argument("--acceptance", default=None, choices=["rejection", "typical"],

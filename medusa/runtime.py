@@ -12,6 +12,7 @@ import torch
 
 from .engine import Engine
 from .errors import MedusaError
+from .hardware import DtypeChoice, Machine, machine, resolve_dtype
 from .heads import SHIPPED_DIR, MedusaHeads
 from .model import DEFAULT_MODEL, default_device, load_target
 from .proposers import MedusaProposer, Proposer
@@ -27,14 +28,21 @@ class Runtime:
     model: Transformer
     engine: Engine
     heads: MedusaHeads | None
+    dtype: DtypeChoice
 
     @classmethod
-    def load(cls, model: str = DEFAULT_MODEL, heads: str | None = "default", dtype: str = "bf16",
+    def load(cls, model: str = DEFAULT_MODEL, heads: str | None = "default", dtype: str = "auto",
              device: str | None = None) -> "Runtime":
-        hf_model, tokenizer = load_target(model, dtype, device or default_device())
+        device = torch.device(device or default_device())
+        choice = resolve_dtype(dtype, device, announce=True)
+        hf_model, tokenizer = load_target(model, choice.torch, device)
         transformer = Transformer(hf_model)
         return cls(hf_model, tokenizer, transformer, Engine(transformer, eos_ids(hf_model, tokenizer)),
-                   load_heads(heads, hf_model))
+                   load_heads(heads, hf_model), choice)
+
+    @property
+    def machine(self) -> Machine:
+        return machine(self.model.device)
 
     def proposer(self, mode: str, tree: str | Tree | None = None) -> Proposer | None:
         if mode == "plain":

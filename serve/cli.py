@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from medusa.errors import MedusaError
+from medusa.hardware import DTYPE_CHOICES
 
 from .config import ServeConfig, load_config
 
@@ -16,7 +17,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="'default' (embedded model), a model directory, .gguf or hub id")
     p.add_argument("--heads", default=None, help="heads directory, 'default' (shipped) or 'none'")
     p.add_argument("--draft", default=None, help="draft model (shares the target's tokenizer) for draft speculation")
-    p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES, metavar="{auto,bf16,fp16,fp32}")
     p.add_argument("--device", default=None)
     p.add_argument("--threads", type=int, default=None, help="engine CPU threads (default: cores - 1)")
     p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")

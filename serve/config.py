@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from medusa.config import read_yaml
 from medusa.errors import MedusaError
+from medusa.hardware import check_dtype_spelling
 
 PolicyMode = Literal["dynamic", "medusa", "draft", "plain"]
 
@@ -55,7 +56,7 @@ class ServeConfig(BaseModel):
     heads: str = "default"
     draft: str | None = None
     draft_k: int = Field(4, ge=1, le=16)
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    dtype: str = "auto"  # auto: bf16 where the hardware multiplies it natively, fp32 elsewhere
     device: str | None = None
     # torch CPU threads of the engine. Default on CPU: all cores but one. The HTTP side (event loop,
     # SSE writes) and local clients need a core; engine threads that share cores with them stall at
@@ -77,6 +78,11 @@ class ServeConfig(BaseModel):
     # not advertise itself.
     docs: bool = False
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        return check_dtype_spelling(v)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

@@ -248,6 +248,7 @@ def test_forward_matches_hf_logits(arch, dtype, rows):
     (small caches on CPU) or in the model dtype."""
     from medusa.transformer import FP32_ATTENTION_ROWS
 
+    exact = tiny_model(arch, seed=5)
     model = tiny_model(arch, seed=5).to(dtype)
     tr = Transformer(model)
     cache = tr.new_cache(rows, 64)
@@ -266,11 +267,22 @@ def test_forward_matches_hf_logits(arch, dtype, rows):
             cache.lens[0] += 1
             steps.append(tr.lm_head(h)[0, 0])
     ours = torch.cat([prompt.float(), torch.stack(steps).float()])
-    scale = ref.abs().max()
-    tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: a few roundings of the activations apart
-    assert (ours - ref).abs().max() <= tol * scale
-    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean()
-    assert agree == 1.0 if dtype == torch.float32 else agree >= 0.9
+    if dtype == torch.float32:
+        assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+        return
+    # bf16: how far a bf16 forward lands from the exact (fp32) logits depends on the CPU's bf16 kernels
+    # (native AVX-512-BF16, oneDNN's emulation, or the generic path, each rounding differently), so judge
+    # ours by the error HF's own bf16 forward makes on the same machine: it must be of the same order. A
+    # real defect (rotary skipped on k, the wrong half of the mirrored norm) is many times larger.
+    with torch.inference_mode():
+        exact_logits = exact(torch.tensor([seq])).logits[0].float()
+    ours_err = (ours - exact_logits).abs().max()
+    hf_err = (ref - exact_logits).abs().max()
+    assert ours_err <= 2 * hf_err + 1e-3 * exact_logits.abs().max()
+    agree = (ours.argmax(-1) == exact_logits.argmax(-1)).float().mean()
+    hf_agree = (ref.argmax(-1) == exact_logits.argmax(-1)).float().mean()
+    assert agree >= min(0.9, hf_agree)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
