@@ -278,6 +278,8 @@ def check_json(data: Any) -> None:
         if isinstance(value, str):
             _check_text(value, path)
             continue
+        if not isinstance(value, (dict, list)):  # a number, bool or null at the top
+            continue
         if depth > MAX_JSON_DEPTH:
             raise ApiError(400, f"request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
                            _param(path))
