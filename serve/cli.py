@@ -25,11 +25,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default=None, choices=["dynamic", "medusa", "draft", "plain"],
                    help="speculation policy (default dynamic)")
     p.add_argument("--cost-model", default=None, help="evaluator cost-model JSON for the dynamic policy")
+    p.add_argument("--docs", action="store_true", default=None,
+                   help="serve the OpenAPI schema and its pages (/openapi.json, /docs, /redoc)")
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    keys = ("model", "heads", "draft", "dtype", "device", "threads", "host", "port")
+    keys = ("model", "heads", "draft", "dtype", "device", "threads", "host", "port", "docs")
     cfg = load_config(args.config, {k: getattr(args, k) for k in keys})
     if args.policy or args.cost_model:
         policy = cfg.policy.model_dump()
