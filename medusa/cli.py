@@ -56,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="generate text for one or more prompts (batched)")
     g.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     add_model_args(g)
-    g.add_argument("--mode", default="medusa", choices=["plain", "medusa"])
-    g.add_argument("--tree", default=None, help="tree file or shipped name (tree-8/16/32/64)")
+    g.add_argument("--mode", default="auto", choices=["auto", "plain", "medusa"],
+                   help="auto (default): speculate where this machine's calibrated pass costs and the heads' "
+                        "accuracy predict a gain, and while measured steps confirm it; medusa: always; plain: never")
+    g.add_argument("--tree", default=None, help="with --mode medusa: tree file or name (tree-8/16/32/64)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     add_sampling_args(g)
     g.add_argument("--raw", action="store_true", help="use prompts as raw text, without the chat template")
@@ -81,18 +83,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens <= 0:
         raise MedusaError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.tree is not None and args.mode != "medusa":
+        raise MedusaError("--tree chooses the tree of --mode medusa; --mode auto picks its own")
     sampling = sampling_from_args(args)
-    rt = Runtime.load(args.model, args.heads if args.mode == "medusa" else "none", args.dtype, args.device)
+    rt = Runtime.load(args.model, "none" if args.mode == "plain" else args.heads, args.dtype, args.device)
     prompts = rt.encode(args.prompt, raw=args.raw)
-    proposer = rt.proposer(args.mode, args.tree)
-    gen = rt.engine.generate(prompts, args.max_new_tokens, proposer, sampling)
+    auto = rt.auto(len(prompts)) if args.mode == "auto" else None
+    proposer = rt.proposer(args.mode, args.tree) if args.mode != "auto" else None
+    if args.mode == "auto":
+        print(describe_auto(rt, auto, len(prompts)), file=sys.stderr)
+    gen = rt.engine.generate(prompts, args.max_new_tokens, proposer, sampling, policy=auto)
     stats = {"mode": gen.mode, "dtype": rt.dtype.name, "acceptance": sampling.acceptance if not sampling.greedy else "greedy",
              "batch_size": len(prompts), "new_tokens": gen.stats.new_tokens,
              "forward_passes": gen.stats.forward_passes, "mean_accepted": round(gen.stats.mean_accepted, 4),
              "tokens_per_s": round(gen.tokens_per_s, 2), "seconds": round(gen.seconds, 3)}
     if proposer is not None:
         stats["tree"] = proposer.tree.name
+    if proposer is not None or auto is not None:
         stats["acceptance_by_head"] = [round(a, 4) for a in gen.stats.acceptance_by_head()]
+    if args.mode == "auto":
+        stats["auto"] = {"machine": rt.machine.to_dict(),
+                         "plan": auto.plan(len(prompts)).to_dict() if auto is not None else None,
+                         "steps": auto.steps if auto is not None else {"plain": gen.stats.steps},
+                         "gate": auto.events if auto is not None else []}
     outputs = [{"text": rt.decode(o.tokens), "token_ids": o.tokens, "finish_reason": o.reason}
                for o in gen.outputs]
     if args.json:
@@ -102,6 +115,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"--- [{i}] ({len(o['token_ids'])} tokens, {o['finish_reason']})\n{o['text']}")
     print("--- stats: " + ", ".join(f"{k}={v}" for k, v in stats.items()))
     return 0
+
+
+def describe_auto(rt, auto, batch_size: int) -> str:
+    """One line: the machine, and what auto mode will do at this batch size and why."""
+    where = rt.machine.describe()
+    if auto is None:
+        return f"medusa: auto mode on {where}: plain decoding (no heads for this model)"
+    p = auto.plan(batch_size)
+    what = f"Medusa with {p.tree.name} ({p.tree.size} tokens per pass)" if p.tree is not None else "plain decoding"
+    return f"medusa: auto mode on {where}, batch size {batch_size}: {what}; {p.reason}"
 
 
 if __name__ == "__main__":

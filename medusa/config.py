@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -50,3 +52,16 @@ def validate(model: type[M], data: dict[str, Any], where: str) -> M:
             msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
             problems.append(f"{key}: {msg}")
         raise MedusaError(f"{where}: " + "; ".join(problems)) from None
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write a file so that readers see the old or the new content, never a part (temp file + rename)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

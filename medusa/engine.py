@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Hashable, Protocol
 
 import torch
 
@@ -61,6 +61,16 @@ class StepOutput:
     tokens: torch.Tensor      # [n, m] new tokens per row (first `counts[r]` valid)
     counts: torch.Tensor      # [n]
     finished: list[Finished]
+
+
+class StepPolicy(Protocol):
+    """Chooses each step's proposer (None: plain) and hears back how the step went (auto mode)."""
+
+    max_tree_size: int
+
+    def choose(self, rows: int) -> Proposer | None: ...
+
+    def observe(self, rows: int, speculative: bool, tau: float, seconds: float) -> None: ...
 
 
 class Batch:
@@ -238,13 +248,17 @@ class Engine:
         return StepOutput(ids, new, count, finished)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, proposer: Proposer | None = None,
-                 sampling: SamplingParams | list[SamplingParams] | None = None) -> "Generation":
-        """Decode a fixed set of prompts to completion (the CLI's and the evaluator's entry point)."""
+                 sampling: SamplingParams | list[SamplingParams] | None = None,
+                 policy: "StepPolicy | None" = None) -> "Generation":
+        """Decode a fixed set of prompts to completion (the CLI's and the evaluator's entry point).
+
+        With a `policy` (auto mode) the proposer is chosen per step for the current number of rows, and
+        every step's tokens per row and duration are fed back to it."""
         if max_new_tokens <= 0:
             raise MedusaError(f"--max-new-tokens must be positive, got {max_new_tokens}")
         if not prompts:
             raise MedusaError("no prompts given")
-        extra = proposer.tree.size if proposer is not None else 1
+        extra = policy.max_tree_size if policy is not None else proposer.tree.size if proposer is not None else 1
         capacity = max(len(p) for p in prompts) + max_new_tokens + extra + 1
         batch = self.new_batch(len(prompts), capacity, max_new_tokens)
         start = time.perf_counter()
@@ -254,13 +268,26 @@ class Engine:
         for f in self.add(batch, list(range(len(prompts))), prompts, max_new_tokens, sampling).finished:
             results[f.id] = f
         while batch.n:
-            for f in self.step(batch, proposer).finished:
+            if policy is None:
+                out = self.step(batch, proposer)
+            else:
+                out = self._timed_step(batch, policy)
+            for f in out.finished:
                 results[f.id] = f
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        return Generation([results[i] for i in range(len(prompts))], batch.stats, seconds,
-                          proposer.name if proposer is not None else "plain")
+        mode = "auto" if policy is not None else proposer.name if proposer is not None else "plain"
+        return Generation([results[i] for i in range(len(prompts))], batch.stats, seconds, mode)
+
+    def _timed_step(self, batch: Batch, policy: "StepPolicy") -> StepOutput:
+        rows = batch.n
+        chosen = policy.choose(rows)
+        start = time.perf_counter()
+        out = self.step(batch, chosen)  # reading the accepted counts below waits for the device
+        tau = float(out.counts.float().mean())
+        policy.observe(rows, chosen is not None, tau, time.perf_counter() - start)
+        return out
 
 
 @dataclass

@@ -454,10 +454,10 @@ def _results(runs: list[tuple[int, MethodSpec]], raw: dict, sampled: bool = Fals
 
 
 def _write_partial(out_dir: Path, runs, raw, sampled: bool) -> None:
-    from .report import _atomic_text
+    from .config import write_text_atomic
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_text(out_dir / "partial.json", json.dumps(_results(runs, raw, sampled), indent=2) + "\n")
+    write_text_atomic(out_dir / "partial.json", json.dumps(_results(runs, raw, sampled), indent=2) + "\n")
 
 
 def measured_crossover(results: list[dict]) -> dict:

@@ -25,6 +25,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .config import write_text_atomic
+
 REQUIRED_KEYS = ("model", "device", "dtype", "prompts", "max_new_tokens", "results", "cost_model", "crossover")
 RESULT_KEYS = ("method", "batch_size", "tokens_per_s_per_user", "tokens_per_s_total", "mean_accepted",
                "acceptance_by_head", "speedup_vs_plain", "greedy_mismatches")
@@ -55,10 +57,10 @@ def write_report(report: dict, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     validate(report)
-    _atomic_text(out / "report.json", json.dumps(report, indent=2, default=_jsonable) + "\n")
-    _atomic_text(out / "report.md", markdown(report))
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2, default=_jsonable) + "\n")
+    write_text_atomic(out / "report.md", markdown(report))
     if report.get("cost_model"):  # on its own too: what `medusa serve --cost-model` reads
-        _atomic_text(out / "cost_model.json", json.dumps(report["cost_model"], indent=2, default=_jsonable) + "\n")
+        write_text_atomic(out / "cost_model.json", json.dumps(report["cost_model"], indent=2, default=_jsonable) + "\n")
     plots(report, out)
     return out
 
@@ -67,17 +69,6 @@ def _jsonable(x):
     if hasattr(x, "item"):
         return x.item()
     raise TypeError(f"not JSON serialisable: {type(x)}")
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _f(x, digits: int = 2) -> str:

@@ -5,8 +5,10 @@ The CLI, the evaluator and the server all build their engine here, so a flag mea
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +21,8 @@ from .proposers import MedusaProposer, Proposer
 from .transformer import Transformer
 from .tree import DEFAULT_TREE, Tree, load_tree
 
+if TYPE_CHECKING:
+    from .auto import AutoSpeculation
 
 
 @dataclass
@@ -43,6 +47,30 @@ class Runtime:
     @property
     def machine(self) -> Machine:
         return machine(self.model.device)
+
+    def auto(self, batch_size: int, progress: bool = True) -> "AutoSpeculation | None":
+        """Auto mode for up to `batch_size` rows (None without heads: plain decoding). Calibrates the pass
+        cost on first use of this model/dtype/machine; later starts read the cached curve."""
+        from .auto import AutoSpeculation, Plan, candidate_trees, plan, read_accuracy
+        from .calibrate import load_or_measure
+        from .gate import bucket
+
+        if self.heads is None:
+            return None
+        cal = load_or_measure(self, [1 << i for i in range(bucket(batch_size).bit_length())], progress=progress)
+        accuracy = read_accuracy(self.heads)
+        default = self.heads.tree()
+        if accuracy is None:  # nothing to predict from: the default tree, judged by measurement alone
+            fixed = Plan(0, default, 0.0, 0.0, "heads without eval.json: default tree, checked by measurement")
+            trees = [default]
+            plans = lambda rows: fixed  # noqa: E731
+        else:
+            own = [load_tree(p) for p in sorted(self.heads.trees_dir.glob("*.yaml"))] if self.heads.trees_dir else []
+            trees = candidate_trees(accuracy, [default, *own], self.heads.config.num_heads,
+                                    self.heads.config.candidates or None)
+            plans = functools.lru_cache(maxsize=None)(lambda rows: plan(cal, accuracy, trees, rows))
+        return AutoSpeculation(plans, lambda tree: MedusaProposer(self.heads, tree, projection=self.model.lm_head),
+                               max(t.size for t in trees))
 
     def proposer(self, mode: str, tree: str | Tree | None = None) -> Proposer | None:
         if mode == "plain":

@@ -168,3 +168,18 @@ def load_tree(spec: str | Path | list, heads_dir: str | Path | None = None) -> T
                                               for p in paths):
         raise MedusaError(f"--tree: {path} must hold a list of integer paths (key 'paths')")
     return Tree(paths, name=path.stem)
+
+
+def expected_tau(paths: "list[tuple[int, ...]] | list[list[int]]", rank_accuracy: list[list[float]]) -> float:
+    """1 + sum over tree nodes of the product of the rank accuracies along the node's path: the expected
+    accepted length per pass if heads' hits are independent (ranks or depths not measured count as 0)."""
+    def hit(k: int, r: int) -> float:
+        return rank_accuracy[k][r] if k < len(rank_accuracy) and r < len(rank_accuracy[k]) else 0.0
+
+    total = 1.0
+    for path in paths:
+        p = 1.0
+        for k, r in enumerate(path):
+            p *= hit(k, r)
+        total += p
+    return total

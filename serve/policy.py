@@ -28,12 +28,11 @@ recommendation for the current batch size.
 from __future__ import annotations
 
 import logging
-import statistics
-from collections import deque
 from dataclasses import dataclass
 
 from medusa.config import read_json
 from medusa.errors import MedusaError
+from medusa.gate import AcceptanceGate, bucket
 
 from .config import PolicyConfig
 
@@ -92,49 +91,7 @@ def _floor_lookup(table: dict[int, str], n: int) -> str:
     return table[best]
 
 
-MIN_STD = 0.5  # floor on one row-step's tau spread, so a few equal samples are not taken as certainty
-
-
-def mean_and_stderr(taus: "deque[float]", rows: int) -> tuple[float, float]:
-    """Mean tau and its standard error. A step's tau is itself a mean over its rows, hence the floor's
-    1/sqrt(rows): at batch size 1 four steps prove little, at 16 rows they prove a lot."""
-    std = statistics.stdev(taus) if len(taus) > 1 else 0.0
-    return statistics.fmean(taus), max(std, MIN_STD / max(rows, 1) ** 0.5) / len(taus) ** 0.5
-
-
-def bucket(n: int) -> int:
-    """Batch sizes grouped by powers of two: 1, 2, 4 (3-4), 8 (5-8), ..."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
-class _Gate:
-    """Per-bucket acceptance and cost record."""
-
-    TIMES = 16  # recent step times kept per kind; their median is robust to one-off slow steps
-    MAX_BACKOFF = 16
-
-    def __init__(self, window: int):
-        self.taus: deque[float] = deque(maxlen=window)
-        self.paused_until = -1
-        self.failures = 0
-        self.seconds: dict[str, deque[float]] = {}  # recent step times: "spec" / "plain"
-
-    def time(self, kind: str, seconds: float) -> None:
-        self.seconds.setdefault(kind, deque(maxlen=self.TIMES)).append(seconds)
-
-    @property
-    def cost_ratio(self) -> float | None:
-        """Median speculative over median plain step time. A median, not a mean: the first step of a
-        new shape (kernel setup) can take several times a normal one and must not close the gate."""
-        if "spec" in self.seconds and "plain" in self.seconds:
-            return statistics.median(self.seconds["spec"]) / max(statistics.median(self.seconds["plain"]), 1e-9)
-        return None
-
-
 class SpeculationPolicy:
-    MIN_EVIDENCE = 4  # speculative steps before the gate may pause (a full window to clear a failure)
-    Z = 2.0  # pause only when mean tau is this many standard errors below what a step must yield
-
     def __init__(self, cfg: PolicyConfig, has_medusa: bool, has_draft: bool):
         self.cfg = cfg
         self.has = {"medusa": has_medusa, "draft": has_draft}
@@ -147,15 +104,8 @@ class SpeculationPolicy:
             need = "heads (--heads)" if cfg.mode == "medusa" else "a draft model (--draft)"
             raise MedusaError(f"policy.mode {cfg.mode!r} needs {need}")
         self.spec_on = True
-        self.gates: dict[int, _Gate] = {}
-        self.step = 0
+        self.gate = AcceptanceGate(cfg.window, cfg.min_tau, cfg.retry_after_steps)
         self.last: Decision | None = None
-
-    def gate(self, n: int) -> _Gate:
-        b = bucket(n)
-        if b not in self.gates:
-            self.gates[b] = _Gate(self.cfg.window)
-        return self.gates[b]
 
     def _apply_cost_model(self, cm: CostModel) -> None:
         sizes = sorted(cm.recommendation)
@@ -182,7 +132,7 @@ class SpeculationPolicy:
 
     def decide(self, running: int, queued: int) -> Decision:
         """The mode of the next step for a batch of `running` rows with `queued` requests waiting."""
-        self.step += 1
+        self.gate.tick()
         mode = self.cfg.mode
         if mode != "dynamic":
             decision = self._decision(mode, running, "fixed")
@@ -194,12 +144,11 @@ class SpeculationPolicy:
                 self.spec_on = False
             elif not self.spec_on and load <= self.low:
                 self.spec_on = True
-            gate = self.gate(running)
             if not self.spec_on:
                 decision = Decision("plain", None, f"load {load} >= {self.high}, waiting for <= {self.low}")
-            elif self._paused(running):
+            elif self.gate.paused(running):
                 decision = Decision("plain", None, f"acceptance gate, batch bucket {bucket(running)}")
-            elif "plain" not in gate.seconds:
+            elif self.gate.needs_plain_probe(running):
                 # One plain step per new bucket measures the cost a speculative step has to beat.
                 decision = Decision("plain", None, f"probing plain step cost at bucket {bucket(running)}")
             else:
@@ -210,34 +159,10 @@ class SpeculationPolicy:
         self.last = decision
         return decision
 
-    def _paused(self, running: int) -> bool:
-        """Paused here or at a smaller bucket: a larger batch makes speculation relatively dearer, with
-        about the same acceptance, so a failure at a small batch size holds for the larger ones too."""
-        b = bucket(running)
-        return any(g.paused_until > self.step for size, g in self.gates.items() if size <= b)
-
     def observe(self, decision: Decision, running: int, tau: float, seconds: float) -> None:
         """Feed back a finished step: its batch size, tokens per row (tau) and duration."""
         if self.cfg.mode != "dynamic":
             return
-        gate = self.gate(running)
-        spec = decision.mode in SPECULATIVE
-        gate.time("spec" if spec else "plain", seconds)
-        if not spec:
-            return
-        gate.taus.append(tau)
-        if len(gate.taus) < min(self.MIN_EVIDENCE, gate.taus.maxlen):
-            return
-        mean, stderr = mean_and_stderr(gate.taus, running)
-        need = max(self.cfg.min_tau, gate.cost_ratio or 0.0)
-        if mean + self.Z * stderr >= need:
-            if len(gate.taus) == gate.taus.maxlen:
-                gate.failures = 0
-            return
-        steps = len(gate.taus)
-        pause = self.cfg.retry_after_steps * min(2 ** gate.failures, _Gate.MAX_BACKOFF)
-        gate.failures += 1
-        gate.paused_until = self.step + pause
-        gate.taus.clear()
-        log.info("speculation paused for %d steps at batch bucket %d: mean tau %.2f < %.2f over %d steps",
-                 pause, bucket(running), mean, need, steps)
+        paused = self.gate.observe(running, decision.mode in SPECULATIVE, tau, seconds)
+        if paused:
+            log.info(paused)

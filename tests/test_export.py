@@ -225,7 +225,7 @@ def test_to_shipped_refuses_unmeasured_or_treeless_heads(tmp_path, shipped, caps
 
 
 def test_expected_tau_by_hand():
-    from train.export import expected_tau
+    from medusa.tree import expected_tau
 
     acc = [[0.5, 0.2], [0.4, 0.1]]
     # 1 + P(h1 rank 0) + P(h1 rank 1) + P(h1 rank 0, h2 rank 0) + P(h1 rank 0, h2 rank 1); depth 3 is unmeasured.

@@ -65,7 +65,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def summary(result: dict) -> str:
     """Where the run wrote everything, held-out accuracy per head, the tau each tree expects, and how to use
     the heads."""
-    from .export import expected_tau
+    from medusa.tree import expected_tau
     from medusa.tree import DEFAULT_TREE, load_tree
 
     heads, run_dir = result["heads_dir"], result["run_dir"]

@@ -39,21 +39,6 @@ def shipped_dir() -> Path:
     return Path(heads.SHIPPED_DIR)
 
 
-def expected_tau(paths: list[tuple[int, ...]], rank_accuracy: list[list[float]]) -> float:
-    """1 + sum over tree nodes of the product of the rank accuracies along the node's path: the expected
-    accepted length per pass if heads' hits are independent (ranks or depths not measured count as 0)."""
-    def hit(k: int, r: int) -> float:
-        return rank_accuracy[k][r] if k < len(rank_accuracy) and r < len(rank_accuracy[k]) else 0.0
-
-    total = 1.0
-    for path in paths:
-        p = 1.0
-        for k, r in enumerate(path):
-            p *= hit(k, r)
-        total += p
-    return total
-
-
 @dataclass
 class Measure:
     tau: float
@@ -63,7 +48,7 @@ class Measure:
 
 def measure(heads_dir: Path) -> Measure | None:
     """tau of the heads' own default tree from their eval.json; None without a usable eval.json."""
-    from medusa.tree import DEFAULT_TREE, build_tree, load_tree
+    from medusa.tree import DEFAULT_TREE, build_tree, expected_tau, load_tree
 
     try:
         report = json.loads((heads_dir / "eval.json").read_text())

@@ -1,0 +1,106 @@
+"""Is speculation paying, by measurement? The acceptance gate shared by `--mode auto` and the server.
+
+A prediction (the calibrated pass-cost curve and the heads' held-out accuracy) picks a tree; this gate
+checks it against what the steps really do. Per batch-size bucket (1, 2, 3-4, 5-8, ...) it keeps the
+recent step times of speculative and plain steps and the tokens per row-step (tau) of speculative ones.
+Speculation pays while tau exceeds the cost of its step relative to a plain one. When the rolling mean tau
+over the last `window` speculative steps (judged from MIN_EVIDENCE on) lies two standard errors below
+max(min_tau, t_spec / t_plain), speculation pauses in that bucket, and in the larger ones, for
+`retry_after_steps` steps, doubling after each consecutive failure up to MAX_BACKOFF times; then it is
+tried again. A bucket's first step is plain, to measure the cost a speculative step has to beat.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+MIN_STD = 0.5  # floor on one row-step's tau spread, so a few equal samples are not taken as certainty
+
+
+def mean_and_stderr(taus: "deque[float]", rows: int) -> tuple[float, float]:
+    """Mean tau and its standard error. A step's tau is itself a mean over its rows, hence the floor's
+    1/sqrt(rows): at batch size 1 four steps prove little, at 16 rows they prove a lot."""
+    std = statistics.stdev(taus) if len(taus) > 1 else 0.0
+    return statistics.fmean(taus), max(std, MIN_STD / max(rows, 1) ** 0.5) / len(taus) ** 0.5
+
+
+def bucket(n: int) -> int:
+    """Batch sizes grouped by powers of two: 1, 2, 4 (3-4), 8 (5-8), ..."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class _Record:
+    """One bucket's evidence."""
+
+    TIMES = 16  # recent step times kept per kind; their median is robust to one-off slow steps
+
+    def __init__(self, window: int):
+        self.taus: deque[float] = deque(maxlen=window)
+        self.paused_until = -1
+        self.failures = 0
+        self.seconds: dict[str, deque[float]] = {}  # recent step times: "spec" / "plain"
+
+    def time(self, kind: str, seconds: float) -> None:
+        self.seconds.setdefault(kind, deque(maxlen=self.TIMES)).append(seconds)
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """Median speculative over median plain step time. A median, not a mean: the first step of a
+        new shape (kernel setup) can take several times a normal one and must not close the gate."""
+        if "spec" in self.seconds and "plain" in self.seconds:
+            return statistics.median(self.seconds["spec"]) / max(statistics.median(self.seconds["plain"]), 1e-9)
+        return None
+
+
+class AcceptanceGate:
+    MIN_EVIDENCE = 4  # speculative steps before the gate may pause (a full window to clear a failure)
+    Z = 2.0  # pause only when mean tau is this many standard errors below what a step must yield
+    MAX_BACKOFF = 16
+
+    def __init__(self, window: int = 16, min_tau: float = 1.0, retry_after_steps: int = 128):
+        self.window, self.min_tau, self.retry_after_steps = window, min_tau, retry_after_steps
+        self.records: dict[int, _Record] = {}
+        self.step = 0
+
+    def record(self, n: int) -> _Record:
+        b = bucket(n)
+        if b not in self.records:
+            self.records[b] = _Record(self.window)
+        return self.records[b]
+
+    def tick(self) -> None:
+        """One more step decided (pauses are counted in decided steps)."""
+        self.step += 1
+
+    def needs_plain_probe(self, n: int) -> bool:
+        return "plain" not in self.record(n).seconds
+
+    def paused(self, n: int) -> bool:
+        """Paused here or at a smaller bucket: a larger batch makes speculation relatively dearer, with
+        about the same acceptance, so a failure at a small batch size holds for the larger ones too."""
+        b = bucket(n)
+        return any(r.paused_until > self.step for size, r in self.records.items() if size <= b)
+
+    def observe(self, n: int, speculative: bool, tau: float, seconds: float) -> str | None:
+        """Feed back a finished step of `n` rows; returns a description when it pauses speculation."""
+        rec = self.record(n)
+        rec.time("spec" if speculative else "plain", seconds)
+        if not speculative:
+            return None
+        rec.taus.append(tau)
+        if len(rec.taus) < min(self.MIN_EVIDENCE, rec.taus.maxlen):
+            return None
+        mean, stderr = mean_and_stderr(rec.taus, n)
+        need = max(self.min_tau, rec.cost_ratio or 0.0)
+        if mean + self.Z * stderr >= need:
+            if len(rec.taus) == rec.taus.maxlen:
+                rec.failures = 0
+            return None
+        steps = len(rec.taus)
+        pause = self.retry_after_steps * min(2 ** rec.failures, self.MAX_BACKOFF)
+        rec.failures += 1
+        rec.paused_until = self.step + pause
+        rec.taus.clear()
+        return (f"speculation paused for {pause} steps at batch bucket {bucket(n)}: mean tau {mean:.2f} < "
+                f"{need:.2f} over {steps} steps")
