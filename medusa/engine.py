@@ -164,6 +164,9 @@ class Engine:
         positions = torch.arange(t, device=dev).expand(k, t)
         causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
         hidden = self.model(tokens, positions, batch.cache, rows, causal)
+        for state in list(batch.aux.values()):
+            if hasattr(state, "prefilled"):  # per-row proposer state that reads prompt features (feature heads)
+                state.prefilled(rows, tokens, plen, hidden)
         last = hidden[torch.arange(k, device=dev), plen - 1]
         batch.cache.lens[rows] = plen
         batch.seq[rows, :t] = tokens
@@ -185,6 +188,8 @@ class Engine:
     @torch.inference_mode()
     def step(self, batch: Batch, proposer: Proposer | None = None) -> StepOutput:
         """One verification pass over all active rows."""
+        if proposer is not None and getattr(proposer, "owns_step", False):
+            return proposer.step(self, batch)  # per-row dynamic trees: medusa.dynamic_tree.tree_step
         n = batch.n
         rows = slice(0, n)
         tree = proposer.tree if proposer is not None else ROOT_ONLY
@@ -265,6 +270,8 @@ class Engine:
         results: dict[Any, Finished] = {}
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
+        if proposer is not None and hasattr(proposer, "attach"):
+            proposer.attach(batch)  # before the prefill, so per-row proposer state sees the prompts
         for f in self.add(batch, list(range(len(prompts))), prompts, max_new_tokens, sampling).finished:
             results[f.id] = f
         while batch.n:
