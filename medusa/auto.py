@@ -95,8 +95,10 @@ class AutoSpeculation:
     acceptance gate has measured speculation losing there."""
 
     def __init__(self, plans: Callable[[int], Plan], make_proposer: Callable[[Tree], Proposer],
-                 max_tree_size: int, gate: AcceptanceGate | None = None):
+                 max_tree_size: int, predicted: bool = True, gate: AcceptanceGate | None = None):
+        """`predicted`: the plans come from a prediction (False: a fixed tree, judged by the gate alone)."""
         self._plans = plans
+        self.predicted = predicted
         self._make = make_proposer
         self._proposers: dict[str, Proposer] = {}
         self.max_tree_size = max_tree_size

@@ -178,3 +178,38 @@ def curve_table(cal: Calibration) -> str:
         cells = "  ".join(f"{t}:{cal.grid[(b, t)] / one:.2f}x" for t in cal.tokens(b) if t > 1)
         lines.append(f"  B={b:<3d} 1 token {one:7.1f} ms   {cells}")
     return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    from .cli import add_model_args, int_list
+
+    p = sub.add_parser("calibrate", help="measure (or show the cached) pass-cost curve of this machine and "
+                                         "what --mode auto does with it")
+    add_model_args(p)
+    p.add_argument("--batch-sizes", type=int_list, default=BATCH_SIZES, help="comma-separated, e.g. 1,2,4")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--force", action="store_true", help="measure again even if a cached curve exists")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from .runtime import Runtime
+
+    sizes = args.batch_sizes
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rt = Runtime.load(args.model, args.heads, args.dtype, args.device)
+    cal = load_or_measure(rt, sizes, force=args.force, progress=not args.json)
+    auto = rt.auto(max(sizes), progress=False)
+    plans = [auto.plan(b).to_dict() for b in sizes] if auto is not None else []
+    if args.json:
+        print(json.dumps({"path": str(cal.path), **cal.to_dict(), "auto": plans}))
+        return 0
+    print(f"machine: {rt.machine.describe()}, dtype {rt.dtype.name} ({rt.dtype.reason})")
+    print(f"curve ({cal.path}): one target pass over T tokens per row, as a multiple of a 1-token pass")
+    print(curve_table(cal))
+    for p in plans:
+        what = f"{p['tree']} ({p['tree_size']} tokens)" if p["tree"] else "plain"
+        print(f"  auto at B={p['batch_size']}: {what}, predicted {p['predicted_speedup']:.2f}x: {p['reason']}")
+    return 0

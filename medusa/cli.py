@@ -13,7 +13,7 @@ from .errors import MedusaError
 from .hardware import DTYPE_CHOICES
 
 # Subcommands that live elsewhere register themselves through `add_parser(subparsers)`.
-EXTERNAL_COMMANDS = ["medusa.bench", "medusa.evaluate", "train.cli", "serve.cli"]
+EXTERNAL_COMMANDS = ["medusa.bench", "medusa.calibrate", "medusa.evaluate", "train.cli", "serve.cli"]
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +47,17 @@ def sampling_from_args(args: argparse.Namespace):
                               typical_delta=args.typical_delta)
     except MedusaError as exc:
         raise MedusaError(f"--{str(exc).split()[0].replace('_', '-')}: {exc}") from None
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
 
 
 def main(argv: list[str] | None = None) -> int:

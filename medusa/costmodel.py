@@ -159,19 +159,33 @@ def measure_forward(model, batch_sizes: list[int], tokens: list[int], prefix: in
         cache = model.new_cache(b, prefix + max(tokens))
         passes = {t: _forward_pass(model, head, cache, b, t, prefix) for t in tokens}
         best: dict[int, float] = {}
-        todo = list(tokens)
-        for r in range(max(repeats, 1)):
-            for t in todo:
-                if r == 0:
-                    passes[t]()  # warm-up: the first call at a shape picks kernels and allocates
-                best[t] = min(best.get(t, float("inf")), _time_ms(passes[t], model.device))
-            if r == 0 and stop_ratio is not None:
-                over = [t for t in todo if best[t] > stop_ratio * best[todo[0]]]
-                todo = todo[: todo.index(over[0]) + 1] if over else todo
-        out.extend((b, t, best[t]) for t in todo)
+        remaining = list(tokens)
+        while remaining:
+            todo = _sweep(passes, best, remaining, repeats, model.device, stop_ratio)
+            remaining = remaining[len(todo):]
+            # A cut made on one burst-inflated first sample is undone once the fastest time disagrees.
+            if stop_ratio is None or best[todo[-1]] > stop_ratio * best[tokens[0]]:
+                break
+        out.extend((b, t, best[t]) for t in sorted(best))
         if progress is not None:
             progress.update(len(tokens))
     return out
+
+
+def _sweep(passes: dict, best: dict[int, float], todo: list[int], repeats: int, device,
+           stop_ratio: float | None) -> list[int]:
+    """`repeats` rounds over `todo`, keeping each point's fastest time; with `stop_ratio`, the first round
+    cuts the sweep after the first point that dear. Returns the points measured."""
+    for r in range(max(repeats, 1)):
+        for t in todo:
+            if r == 0:
+                passes[t]()  # warm-up: the first call at a shape picks kernels and allocates
+            best[t] = min(best.get(t, float("inf")), _time_ms(passes[t], device))
+        if r == 0 and stop_ratio is not None:
+            first = best[min(best)]
+            over = [t for t in todo if best[t] > stop_ratio * first]
+            todo = todo[: todo.index(over[0]) + 1] if over else todo
+    return todo
 
 
 def _forward_pass(model, head, cache, b: int, t: int, prefix: int):

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .config import read_json, read_yaml
 from .errors import MedusaError
+from .cli import int_list
 from .hardware import DTYPE_CHOICES, check_dtype_spelling
 from .sampling import SamplingParams
 from .tree import DEFAULT_TREE
@@ -481,6 +482,7 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
     """Latency grids for target, draft and heads, fitted; acceptance from the runs; predictions."""
     from tqdm import tqdm
 
+    from .calibrate import load_or_measure
     from .costmodel import Latency, alpha_from_acceptance, measure_forward, measure_heads, predict
     from .tree import load_tree
 
@@ -491,7 +493,7 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
         if r["batch_size"] != bs1 or r["mean_accepted"] is None:
             continue
         if r["kind"] == "medusa":
-            tree = load_tree(r["tree"])
+            tree = load_tree(r["tree"], heads_dir=rt.heads.directory if rt.heads is not None else None)
             acc["medusa"][tree.name] = {"tau": r["mean_accepted"], "tree_size": tree.size, "method": r["method"],
                                         "spec": r["tree"]}
         elif r["kind"] == "draft" and acc["draft"] is None:
@@ -502,8 +504,11 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
     draft_spec = next((m for m in cfg.methods if m.method == "draft"), None)
     n_grid = len(cfg.batch_sizes) * (len(tokens) + (2 if draft_spec else 0))
     bar = tqdm(total=n_grid, desc="cost model", unit="pass", disable=not progress)
-    lat: dict = {"target": Latency(measure_forward(rt.model, cfg.batch_sizes, tokens, cm.prefix, cm.repeats,
-                                                    bar)).to_dict()}
+    # The target's curve is the machine's calibration file (the one --mode auto and the server read),
+    # extended by any (B, T) point this evaluation needs that it lacks.
+    cal = load_or_measure(rt, cfg.batch_sizes, tokens=tokens, progress=progress)
+    bar.update(len(cfg.batch_sizes) * len(tokens))
+    lat: dict = {"target": Latency([(b, t, cal.grid[(b, t)]) for b in cfg.batch_sizes for t in tokens]).to_dict()}
     if draft_spec is not None:
         draft = methods.proposer(draft_spec).draft
         lat["draft"] = Latency(measure_forward(draft, cfg.batch_sizes, [1, 2, 4], cm.prefix, cm.repeats,
@@ -516,6 +521,7 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
     bar.close()
     model = {"model": getattr(rt.hf_model, "name_or_path", cfg.model), "device": str(rt.model.device),
              "dtype": rt.dtype.name, "prefix_tokens": cm.prefix, "latency_ms": lat,
+             "calibration": str(cal.path),
              "acceptance": {k: v for k, v in acc.items() if v}}
     return apply_measurements(predict(model, cfg.batch_sizes), results)
 
@@ -547,16 +553,6 @@ def apply_measurements(model: dict, results: list[dict]) -> dict:
 # ---- command line -----------------------------------------------------------------------------------
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
-
-
 def _float_list(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
@@ -569,7 +565,7 @@ def add_parser(subparsers) -> None:
     e.add_argument("--config", default=None, help="evaluation YAML, e.g. configs/eval/mtbench.yaml")
     e.add_argument("--out", required=True, help="output directory (report.json, report.md, plots)")
     e.add_argument("--max-prompts", type=int, default=None)
-    e.add_argument("--batch-sizes", type=_int_list, default=None, help="e.g. 1,4,16")
+    e.add_argument("--batch-sizes", type=int_list, default=None, help="e.g. 1,4,16")
     e.add_argument("--max-new-tokens", type=int, default=None)
     e.add_argument("--repeats", type=int, default=None)
     e.add_argument("--model", default=None)
@@ -592,8 +588,8 @@ def add_parser(subparsers) -> None:
     c.add_argument("--verify-ms", type=_float_list, default=None,
                    help="target latency of a K+1-token pass (default: --target-ms, the textbook assumption)")
     c.add_argument("--alpha", type=float, default=None, help="per-token acceptance rate of the draft")
-    c.add_argument("--k", type=_int_list, default=None, help="draft length(s); several: pick the best")
-    c.add_argument("--batch-sizes", type=_int_list, default=None)
+    c.add_argument("--k", type=int_list, default=None, help="draft length(s); several: pick the best")
+    c.add_argument("--batch-sizes", type=int_list, default=None)
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_crossover)
 

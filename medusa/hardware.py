@@ -72,10 +72,15 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def onednn_bf16() -> bool:
+    """oneDNN runs bf16 kernels here (natively or by its AVX-512 emulation)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def cpu_native_bf16() -> bool:
     """oneDNN must run bf16 kernels, and the CPU must have bf16 instructions (AVX-512-BF16 or AMX) rather
     than oneDNN's AVX-512 emulation; where the flags cannot be read, oneDNN's word is taken."""
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if not onednn_bf16():
         return False
     flags = cpu_flags()
     return not flags or bool(flags & {"avx512_bf16", "amx_bf16"})

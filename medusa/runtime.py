@@ -32,7 +32,11 @@ class Runtime:
     model: Transformer
     engine: Engine
     heads: MedusaHeads | None
-    dtype: DtypeChoice
+    dtype: DtypeChoice | None = None  # None: the dtype the model was built in
+
+    def __post_init__(self) -> None:
+        if self.dtype is None:
+            self.dtype = resolve_dtype(self.model.dtype)
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, heads: str | None = "default", dtype: str = "auto",
@@ -70,7 +74,7 @@ class Runtime:
                                     self.heads.config.candidates or None)
             plans = functools.lru_cache(maxsize=None)(lambda rows: plan(cal, accuracy, trees, rows))
         return AutoSpeculation(plans, lambda tree: MedusaProposer(self.heads, tree, projection=self.model.lm_head),
-                               max(t.size for t in trees))
+                               max(t.size for t in trees), predicted=accuracy is not None)
 
     def proposer(self, mode: str, tree: str | Tree | None = None) -> Proposer | None:
         if mode == "plain":

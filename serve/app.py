@@ -34,13 +34,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from medusa.errors import MedusaError
+from medusa.gate import bucket
 from medusa.runtime import Runtime
 from medusa.sampling import SamplingParams
 from medusa.tree import Tree, chain, load_tree
 
 from .config import ServeConfig
 from .metrics import Metrics
-from .policy import Decision, SpeculationPolicy
+from .policy import CostModel, Decision, SpeculationPolicy
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, torch_seed
 from .scheduler import Event, Overloaded, Request, Scheduler
 
@@ -119,7 +120,23 @@ class Guard:
             self.metrics.responses.labels(state.get("outcome") or outcome_of(status)).inc()
 
 
-def tree_by_name(name: str) -> Tree:
+def calibrated_policy(cfg: ServeConfig, rt: Runtime, draft: Any) -> tuple[CostModel | None, dict[str, Tree]]:
+    """The dynamic policy's defaults from this machine's calibrated curve and the heads' accuracy (the
+    plans `--mode auto` makes), with the trees they name; nothing when a cost_model file decides, the
+    policy is fixed, a draft is served, or the heads carry no eval.json to predict from."""
+    pc = cfg.policy
+    if pc.mode != "dynamic" or pc.cost_model or not pc.calibrate or draft is not None or rt.heads is None:
+        return None, {}
+    auto = rt.auto(cfg.max_batch)
+    if auto is None or not auto.predicted:
+        return None, {}
+    plans = [auto.plan(1 << i) for i in range(bucket(cfg.max_batch).bit_length())]
+    for p in plans:
+        log.info("calibrated policy at batch size %d: %s (%s)", p.batch, p.tree.name if p.tree else "plain", p.reason)
+    return CostModel.from_plans(plans), {p.tree.name: p.tree for p in plans if p.tree is not None}
+
+
+def tree_by_name(name: str, heads_dir: Path | None = None) -> Tree:
     """A shipped/file tree (`tree-16`, a path) or `chain-K`: the heads' top-1 tokens only, K deep (what pays
     when the heads are weak or a tree costs too much)."""
     m = re.fullmatch(r"chain-(\d+)", name)
@@ -128,7 +145,7 @@ def tree_by_name(name: str) -> Tree:
             raise MedusaError(f"policy.trees: {name}: chain depth must be 1..16")
         return chain(int(m.group(1)))
     try:
-        return load_tree(name)
+        return load_tree(name, heads_dir=heads_dir)
     except MedusaError as exc:
         raise MedusaError(f"policy.trees: {exc}") from None
 
@@ -147,12 +164,15 @@ class Server:
         self.cfg, self.rt = cfg, rt
         self.name = served_name(cfg, rt)
         self.metrics = Metrics()
-        self.policy = SpeculationPolicy(cfg.policy, has_medusa=rt.heads is not None, has_draft=draft is not None)
+        calibrated, planned = calibrated_policy(cfg, rt, draft)
+        self.policy = SpeculationPolicy(cfg.policy, has_medusa=rt.heads is not None, has_draft=draft is not None,
+                                        calibrated=calibrated)
         # Build every proposer up front: a bad tree name or a heads/tree mismatch fails at startup.
         self.medusa = {}
         if rt.heads is not None:
             for name in sorted(set(self.policy.trees.values())):
-                self.medusa[name] = rt.proposer("medusa", tree_by_name(name))
+                tree = planned.get(name) or tree_by_name(name, rt.heads.directory)
+                self.medusa[name] = rt.proposer("medusa", tree)
         self.draft = draft
         sizes = [p.tree.size for p in self.medusa.values()] + ([draft.tree.size] if draft is not None else [])
         self.scheduler = Scheduler(

@@ -38,6 +38,10 @@ class PolicyConfig(BaseModel):
     # Evaluator cost-model JSON ({"recommendation": {"<batch size>": "medusa"|"draft"|"plain"},
     # optional "best_tree": {"<batch size>": "<tree name or path>"}}); it overrides watermarks and trees.
     cost_model: str | None = None
+    # Without a cost_model file, derive the watermarks and trees from this machine's calibrated pass-cost
+    # curve and the heads' held-out accuracy (what `medusa generate --mode auto` does), when the heads
+    # have an eval.json to predict from.
+    calibrate: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> "PolicyConfig":

@@ -29,10 +29,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from medusa.config import read_json
 from medusa.errors import MedusaError
 from medusa.gate import AcceptanceGate, bucket
+
+if TYPE_CHECKING:
+    from medusa.auto import Plan
 
 from .config import PolicyConfig
 
@@ -65,6 +69,14 @@ class CostModel:
                    _by_batch(data.get("best_tree") or {}, path, "best_tree"))
 
 
+    @classmethod
+    def from_plans(cls, plans: "list[Plan]") -> "CostModel":
+        """The auto mode's per-batch-size plans (this machine's calibrated curve and the heads' accuracy)
+        as a cost model: speculate with the planned tree where it predicts a gain, plain elsewhere."""
+        rec = {p.batch: "medusa" if p.tree is not None else "plain" for p in plans}
+        return cls(rec, {p.batch: p.tree.name for p in plans if p.tree is not None})
+
+
 def _by_batch(raw: dict, path: str, key: str, values: tuple[str, ...] | None = None) -> dict[int, str]:
     out = {}
     for b, v in raw.items():
@@ -92,7 +104,8 @@ def _floor_lookup(table: dict[int, str], n: int) -> str:
 
 
 class SpeculationPolicy:
-    def __init__(self, cfg: PolicyConfig, has_medusa: bool, has_draft: bool):
+    def __init__(self, cfg: PolicyConfig, has_medusa: bool, has_draft: bool, calibrated: CostModel | None = None):
+        """`calibrated`: the cost model of this machine's calibration, used when no cost_model file is set."""
         self.cfg = cfg
         self.has = {"medusa": has_medusa, "draft": has_draft}
         self.high, self.low = cfg.high_watermark, cfg.low_watermark
@@ -100,6 +113,8 @@ class SpeculationPolicy:
         self.kind_by_batch: dict[int, str] = {1: "medusa" if has_medusa else "draft"}
         if cfg.cost_model:
             self._apply_cost_model(CostModel.load(cfg.cost_model))
+        elif calibrated is not None:
+            self._apply_cost_model(calibrated)
         if cfg.mode in SPECULATIVE and not self.has[cfg.mode]:
             need = "heads (--heads)" if cfg.mode == "medusa" else "a draft model (--draft)"
             raise MedusaError(f"policy.mode {cfg.mode!r} needs {need}")

@@ -53,12 +53,7 @@ def tiny_runtime(tokenizer, seed: int = 0, heads: bool = True):
         medusa_heads = medusa_heads.attach(model)
     transformer = Transformer(model)
     engine = Engine(transformer, eos_ids(model, tokenizer))
-    extra = {}
-    if "dtype" in getattr(Runtime, "__dataclass_fields__", {}):  # the runtime records its dtype choice
-        from medusa.hardware import resolve_dtype
-
-        extra["dtype"] = resolve_dtype("fp32")
-    return Runtime(model, tokenizer, transformer, engine, medusa_heads, **extra)
+    return Runtime(model, tokenizer, transformer, engine, medusa_heads)
 
 
 def free_port() -> int:

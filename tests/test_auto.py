@@ -1,0 +1,230 @@
+"""dtype by hardware, the calibrated pass-cost curve, auto mode's decision and its switch-off by measurement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import mixed_prompts, tiny_model
+
+from medusa import calibrate, hardware
+from medusa.auto import MARGIN, AutoSpeculation, Plan, candidate_trees, plan
+from medusa.calibrate import Calibration, load_or_measure
+from medusa.engine import Engine
+from medusa.errors import MedusaError
+from medusa.gate import AcceptanceGate
+from medusa.hardware import Machine, auto_dtype, resolve_dtype, short_dtype
+from medusa.heads import HeadsConfig, MedusaHeads
+from medusa.proposers import MedusaProposer
+from medusa.runtime import Runtime
+from medusa.transformer import Transformer
+from medusa.tree import Tree, expected_tau
+
+# ---- dtype by hardware ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m,want", [
+    (Machine("cpu", "AMD EPYC (Zen 5)", "AVX512", True, 2), "bf16"),
+    (Machine("cpu", "AMD EPYC (Zen 2)", "AVX2", False, 2), "fp32"),
+    (Machine("cpu", "Intel Xeon (Sapphire Rapids)", "AVX512", True, 8), "bf16"),
+    (Machine("cuda", "NVIDIA H100", "9.0", True, 8), "bf16"),
+    (Machine("cuda", "Tesla V100", "7.0", False, 8), "fp32"),
+])
+def test_auto_dtype_follows_native_bf16(m, want):
+    name, why = auto_dtype(m)
+    assert name == want and why
+
+
+@pytest.mark.parametrize("flags,onednn,want", [
+    ({"avx2", "avx512f", "avx512_bf16"}, True, True),   # Zen 4/5, Cooper Lake
+    ({"avx2", "avx512f", "amx_bf16"}, True, True),      # Sapphire Rapids
+    ({"avx2", "avx512f"}, True, False),                 # Skylake-X: oneDNN would emulate bf16
+    ({"avx2"}, False, False),                           # Zen 2 / Zen 3: no bf16 kernels at all
+    (set(), True, True),                                # flags unreadable: oneDNN's word
+])
+def test_native_bf16_detection(monkeypatch, flags, onednn, want):
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(hardware, "onednn_bf16", lambda: onednn)
+    assert hardware.cpu_native_bf16() is want
+    assert resolve_dtype("auto", "cpu").name == ("bf16" if want else "fp32")
+
+
+@pytest.mark.parametrize("spelling,short", [("bf16", "bf16"), ("bfloat16", "bf16"), ("BF16", "bf16"),
+                                            ("fp16", "fp16"), ("float16", "fp16"), ("half", "fp16"),
+                                            ("fp32", "fp32"), ("float32", "fp32"), ("torch.float32", "fp32"),
+                                            (torch.bfloat16, "bf16")])
+def test_dtype_spellings(spelling, short):
+    assert short_dtype(spelling) == short
+    assert resolve_dtype(spelling).reason == "requested"
+
+
+def test_unknown_dtype_names_the_flag():
+    with pytest.raises(MedusaError, match="--dtype.*'int8'"):
+        short_dtype("int8")
+
+
+# ---- the decision -----------------------------------------------------------------------------------
+
+ACC = [[0.6, 0.15, 0.05], [0.45, 0.12, 0.04], [0.35, 0.1, 0.03], [0.3, 0.08, 0.02]]
+
+
+def curve(ratio_of_tokens, batch_sizes=(1, 2, 4), one_ms=10.0, heads_ms=0.0) -> Calibration:
+    grid = {(b, t): one_ms * b ** 0.5 * ratio_of_tokens(b, t) for b in batch_sizes for t in calibrate.TOKENS}
+    return Calibration({}, grid, {b: heads_ms for b in batch_sizes})
+
+
+def trees():
+    return candidate_trees(ACC, [], num_heads=4)
+
+
+def test_flat_curve_picks_a_large_tree():
+    """Memory-bound passes (a 64-token pass costs 1.1 one-token passes): the most accepting tree wins."""
+    cal = curve(lambda b, t: 1.0 + 0.1 * (t - 1) / 63)
+    p = plan(cal, ACC, trees(), 1)
+    assert p.tree is not None and p.tree.size >= 16
+    assert p.speedup == pytest.approx(expected_tau(p.tree.nodes, ACC) / cal.ratio(1, p.tree.size))
+    assert p.speedup == max(expected_tau(t.nodes, ACC) / cal.ratio(1, t.size) for t in trees())
+
+
+def test_steep_curve_picks_plain_everywhere():
+    """Every extra token costs a full pass (emulated bf16): no tree can pay, at any batch size."""
+    cal = curve(lambda b, t: float(t))
+    for b in (1, 2, 3, 4, 16):
+        p = plan(cal, ACC, trees(), b)
+        assert p.tree is None and "<" in p.reason
+
+
+def test_moderate_curve_picks_a_small_tree_and_heads_cost_counts():
+    cal = curve(lambda b, t: 1.0 + 0.15 * (t - 1) * b)
+    small = plan(cal, ACC, trees(), 1)
+    assert small.tree is not None and 2 <= small.tree.size <= 16
+    # At batch 4 each extra token costs 4x as much: a smaller tree (or none) is chosen.
+    assert plan(cal, ACC, trees(), 4).tree is None or plan(cal, ACC, trees(), 4).tree.size < small.tree.size
+    # Heads that cost as much as the pass itself eat the gain.
+    dear = curve(lambda b, t: 1.0 + 0.15 * (t - 1) * b, heads_ms=50.0)
+    assert plan(dear, ACC, trees(), 1).tree is None
+
+
+def test_margin_keeps_near_ties_plain():
+    weak = [[0.05], [0.01]]
+    cal = curve(lambda b, t: 1.0 + 0.01 * (t - 1))
+    p = plan(cal, weak, candidate_trees(weak, [], num_heads=2), 1)
+    assert p.tree is None  # tau 1.05 at best: not worth it
+    assert MARGIN > 1.0
+
+
+def test_calibration_interpolates_and_errs_against_speculation():
+    cal = Calibration({}, {(1, 1): 10.0, (1, 4): 13.0, (1, 8): 20.0, (4, 1): 20.0, (4, 4): 40.0})
+    assert cal.ms(1, 6) == pytest.approx(16.5)  # linear between measured T
+    assert cal.ratio(1, 4) == pytest.approx(1.3)
+    # Batch 2 was not measured: batch 4's curve (dearer per token) is read, scaled to batch 2's one-token
+    # cost where that is known, here not: batch 4's own.
+    assert cal.ratio(2, 4) == pytest.approx(2.0)
+
+
+# ---- switch-off by measurement -----------------------------------------------------------------------
+
+
+class _Marker:
+    name, tree = "marker", Tree([[0]], name="one")
+
+
+def auto_with(tree: Tree) -> AutoSpeculation:
+    plans = lambda rows: Plan(rows, tree, 1.5, 1.6, "test")  # noqa: E731
+    return AutoSpeculation(plans, lambda t: _Marker(), tree.size,
+                           gate=AcceptanceGate(window=8, min_tau=1.0, retry_after_steps=20))
+
+
+def test_auto_switches_off_when_speculation_measures_as_a_loss():
+    auto = auto_with(Tree([[0], [0, 0]], name="t3"))
+    assert auto.choose(1) is None  # the first step of a batch size measures the plain cost
+    auto.observe(1, False, 1.0, 0.010)
+    for _ in range(8):  # tau 1.2 but each speculative step costs 2 plain steps: a loss
+        p = auto.choose(1)
+        if p is None:
+            break
+        auto.observe(1, True, 1.2, 0.020)
+    assert auto.choose(1) is None and auto.events and "paused" in auto.events[0]
+
+
+def test_auto_keeps_speculating_when_it_pays():
+    auto = auto_with(Tree([[0], [0, 0]], name="t3"))
+    auto.choose(1)
+    auto.observe(1, False, 1.0, 0.010)
+    for i in range(40):
+        p = auto.choose(1)
+        assert p is not None, i
+        auto.observe(1, True, 1.0 + (i % 3), 0.011)
+    assert not auto.events
+
+
+# ---- calibration cache --------------------------------------------------------------------------------
+
+
+def tiny_runtime(dtype=torch.float32) -> Runtime:
+    model = tiny_model("llama", seed=3).to(dtype)
+    tr = Transformer(model)
+    heads = MedusaHeads(HeadsConfig(model.config.hidden_size, model.config.vocab_size, 3, 1)).attach(model)
+    return Runtime(model, None, tr, Engine(tr, None), heads)
+
+
+def test_calibration_is_measured_once_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    rt = tiny_runtime()
+    first = load_or_measure(rt, [1, 2], progress=False)
+    assert first.path.is_file() and first.batch_sizes() == [1, 2] and set(first.heads_ms) == {1, 2}
+    assert all(first.grid[(b, 1)] > 0 for b in (1, 2))
+    # Monotone in T, and each sweep reached a pass STOP_RATIO times dearer or the end of TOKENS.
+    for b in (1, 2):
+        ts = first.tokens(b)
+        assert all(first.grid[(b, x)] <= first.grid[(b, y)] for x, y in zip(ts, ts[1:]))
+        assert ts[-1] == calibrate.TOKENS[-1] or first.ratio(b, ts[-1]) > calibrate.STOP_RATIO
+
+    def no_measuring(*a, **k):
+        raise AssertionError("the cached curve should have been reused")
+
+    monkeypatch.setattr(calibrate, "measure_forward", no_measuring)
+    again = load_or_measure(tiny_runtime(), [1, 2], progress=False)
+    assert again.grid == first.grid and again.path == first.path
+    # Another dtype is another machine state: a file of its own.
+    assert calibrate.calibration_path(calibrate.calibration_key(tiny_runtime(torch.bfloat16))) != first.path
+    data = json.loads(first.path.read_text())
+    assert data["key"]["dtype"] == "fp32" and data["key"]["machine"]["device"] == "cpu"
+
+
+# ---- auto mode decodes exactly what plain decoding does ----------------------------------------------
+
+
+class Alternating:
+    """A step policy that flips between plain decoding and two trees: every switch must be lossless."""
+
+    def __init__(self, proposers):
+        self.proposers, self.i = proposers, 0
+        self.max_tree_size = max(p.tree.size for p in proposers)
+        self.seen: list[int] = []
+
+    def choose(self, rows):
+        self.i += 1
+        return [None, *self.proposers][self.i % (len(self.proposers) + 1)]
+
+    def observe(self, rows, speculative, tau, seconds):
+        self.seen.append(rows)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
+def test_policy_switching_per_step_is_token_identical(batch_size):
+    model = tiny_model("llama", seed=21)
+    torch.manual_seed(0)
+    heads = MedusaHeads(HeadsConfig(model.config.hidden_size, model.config.vocab_size, 3, 1))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    heads = heads.attach(model)
+    engine = Engine(Transformer(model), eos_token_ids=None)
+    prompts = mixed_prompts(batch_size, seed=batch_size)
+    plain = engine.generate(prompts, 30)
+    policy = Alternating([MedusaProposer(heads, Tree([[0], [1], [0, 0]])),
+                          MedusaProposer(heads, Tree([[0], [0, 0], [0, 0, 0], [1]]))])
+    mixed = engine.generate(prompts, 30, policy=policy)
+    assert [o.tokens for o in mixed.outputs] == [o.tokens for o in plain.outputs]
+    assert mixed.mode == "auto" and len(policy.seen) == mixed.stats.steps
