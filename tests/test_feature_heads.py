@@ -1,0 +1,247 @@
+"""Feature heads (EAGLE-style) with dynamic trees: greedy output equals plain decoding (batched, ragged),
+rejection sampling keeps the target distribution, the EAGLE layouts round-trip, training runs and resumes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import hf_greedy, mixed_prompts, tiny_model
+from medusa.engine import Engine
+from medusa.errors import MedusaError
+from medusa.feature_heads import FeatureHead, FeatureHeadConfig, FeatureProposer, TreeShape, read_kind
+from medusa.sampling import SamplingParams
+from medusa.transformer import Transformer
+
+MAX_NEW = 24
+V = 16  # a small vocabulary: random heads hit often enough that rows accept different numbers of tokens
+
+
+def random_head(model, style="eagle1", seed=0, draft_ids=None, std=None):
+    torch.manual_seed(seed)
+    vocab = model.config.vocab_size
+    n = vocab if draft_ids is None else len(draft_ids)
+    head = FeatureHead(FeatureHeadConfig(model.config.hidden_size, vocab, n, style=style), model, draft_ids)
+    if std is not None:
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if p.requires_grad and "norm" not in name:
+                    p.normal_(0, std)
+    return head
+
+
+@pytest.fixture(scope="module")
+def small():
+    model = tiny_model("llama", vocab=V)
+    return model, Engine(Transformer(model), eos_token_ids=None)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
+@pytest.mark.parametrize("style", ["eagle1", "eagle3"])
+def test_greedy_matches_plain_batched(small, batch_size, style):
+    model, engine = small
+    prompts = mixed_prompts(batch_size, vocab=V, seed=batch_size)
+    plain = engine.generate(prompts, MAX_NEW)
+    proposer = FeatureProposer(random_head(model, style), engine.model, TreeShape(nodes=8, depth=4, topk=3))
+    spec = engine.generate(prompts, MAX_NEW, proposer)
+    assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
+    assert spec.stats.new_tokens == plain.stats.new_tokens
+    if batch_size >= 5:  # rows accepted different numbers of tokens in the same steps
+        assert sum(1 for c in spec.stats.accept_hist[1:] if c) >= 2
+
+
+@pytest.mark.parametrize("shape", [TreeShape(1, 1, 1), TreeShape(4, 4, 1), TreeShape(16, 3, 4),
+                                   TreeShape(32, 6, 4)])
+def test_tree_shapes_match_hf_generate(shape):
+    model = tiny_model("qwen2")
+    engine = Engine(Transformer(model), eos_token_ids=None)
+    prompts = mixed_prompts(3, seed=7)
+    ids = torch.arange(0, 97, 3)  # a draft vocabulary of every third id
+    spec = engine.generate(prompts, MAX_NEW, FeatureProposer(random_head(model, draft_ids=ids), engine.model, shape))
+    assert [o.tokens for o in spec.outputs] == [hf_greedy(model, p, MAX_NEW) for p in prompts]
+
+
+def test_draft_vocabulary_maps_back_to_full_ids(small):
+    model, engine = small
+    ids = torch.tensor([1, 4, 6, 9, 12])
+    proposer = FeatureProposer(random_head(model, draft_ids=ids), engine.model, TreeShape(6, 3, 2))
+    batch = engine.new_batch(3, 64, MAX_NEW)
+    proposer.attach(batch)
+    engine.add(batch, [0, 1, 2], mixed_prompts(3, vocab=V), MAX_NEW)
+    trees = proposer.draft(batch)
+    assert set(trees.tokens.unique().tolist()) <= set(ids.tolist())
+    assert trees.tokens.shape == (3, 6)
+
+
+def test_rows_join_leave_and_switch_modes(small):
+    """Continuous batching: rows added mid-flight, cancelled rows, plain steps in between (features then
+    missing are recomputed) keep the head's per-row state exact."""
+    model, engine = small
+    prompts = mixed_prompts(4, vocab=V, seed=9)
+    proposer = FeatureProposer(random_head(model), engine.model, TreeShape(8, 4, 3))
+    batch = engine.new_batch(3, 128, MAX_NEW)
+    done = {}
+    engine.add(batch, [0, 1], prompts[:2], MAX_NEW)  # before attach: prompt features recomputed on first use
+    for step in range(10):
+        if step == 2:
+            engine.add(batch, [2], prompts[2:3], MAX_NEW)
+        if step == 3:
+            batch.remove([1])
+            engine.add(batch, [3], prompts[3:4], MAX_NEW)
+        out = engine.step(batch, proposer if step not in (5, 6) else None)
+        for f in out.finished:
+            done[f.id] = f.tokens
+    while batch.n:
+        for f in engine.step(batch, proposer).finished:
+            done[f.id] = f.tokens
+    for i in (0, 2, 3):
+        assert done[i] == hf_greedy(model, prompts[i], MAX_NEW)
+
+
+def test_prompt_features_kept_at_prefill(small):
+    """With the proposer attached before the prefill, the head's first step needs no extra target pass."""
+    model, engine = small
+    proposer = FeatureProposer(random_head(model), engine.model, TreeShape(4, 2, 2))
+    batch = engine.new_batch(2, 64, MAX_NEW)
+    state = proposer.attach(batch)
+    prompts = mixed_prompts(2, vocab=V, seed=4)
+    engine.add(batch, [0, 1], prompts, MAX_NEW)
+    assert state.feat_len[:2].tolist() == [len(p) for p in prompts]
+    calls = []
+    original = proposer._fill_features
+    proposer._fill_features = lambda *a: calls.append(1) or original(*a)
+    proposer.draft(batch)
+    assert not calls
+
+
+def test_bad_shapes_are_clear_errors(small):
+    model, engine = small
+    head = random_head(model)
+    with pytest.raises(MedusaError, match="fewer than"):
+        FeatureProposer(head, engine.model, TreeShape(nodes=40, depth=2, topk=2))
+    with pytest.raises(MedusaError, match="deep"):
+        FeatureProposer(head, engine.model, TreeShape(nodes=2, depth=3, topk=2))
+    with pytest.raises(MedusaError, match="draft tokens"):
+        FeatureProposer(random_head(model, draft_ids=torch.arange(3)), engine.model, TreeShape(8, 2, 4))
+    other = tiny_model("llama", vocab=V + 1)
+    with pytest.raises(MedusaError, match="vocabulary"):
+        head.bind(other)
+
+
+# ---- sampling ---------------------------------------------------------------------------------------
+
+
+def test_rejection_sampling_is_lossless_with_feature_heads():
+    from test_sampling import PROMPT, V as SV, chi_square_pvalue, exact_pairs
+
+    model = tiny_model("llama", seed=5, vocab=SV)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.15)
+    engine = Engine(Transformer(model), eos_token_ids=None)
+    params = SamplingParams(temperature=1.0, acceptance="rejection")
+    expected = exact_pairs(model, params)
+    for chain in (True, False):  # a sampled chain with its q, or the top-k tree as point masses
+        head = random_head(model, std=0.3, seed=3)
+        proposer = FeatureProposer(head, engine.model, TreeShape(4, 2, 2), sample_chain=chain)
+        gen = engine.generate([PROMPT] * 5000, 2, proposer, params)
+        pairs = torch.tensor([o.tokens[0] * SV + o.tokens[1] for o in gen.outputs])
+        counts = torch.bincount(pairs, minlength=SV * SV).double()
+        assert chi_square_pvalue(counts, expected) > 1e-3, chain
+        assert gen.stats.accept_hist[1] > 0  # candidates were accepted, so the test exercised acceptance
+
+
+def test_mixed_greedy_and_sampled_rows(small):
+    model, engine = small
+    prompts = mixed_prompts(4, vocab=V, seed=3)
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams(),
+              SamplingParams(temperature=0.7, acceptance="typical", seed=2)]
+    proposer = FeatureProposer(random_head(model), engine.model, TreeShape(8, 4, 3))
+    gen = engine.generate(prompts, 16, proposer, params)
+    for i in (0, 2):
+        assert gen.outputs[i].tokens == hf_greedy(model, prompts[i], 16)
+    again = engine.generate(prompts, 16, proposer, params)
+    assert again.outputs[1].tokens == gen.outputs[1].tokens  # seeded rows are reproducible
+
+
+# ---- saving and loading -----------------------------------------------------------------------------
+
+
+def test_native_round_trip(small, tmp_path):
+    model, engine = small
+    head = random_head(model, "eagle3", draft_ids=torch.arange(2, 14), std=0.2)
+    head.config.own_lm_head = False
+    head.save(tmp_path)
+    assert read_kind(tmp_path) == "feature"
+    assert json.loads((tmp_path / "heads.json").read_text())["kind"] == "feature"
+    loaded = FeatureHead.load(tmp_path, model)
+    for k, v in head.own_state().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    prompts = mixed_prompts(2, vocab=V)
+    a = engine.generate(prompts, 12, FeatureProposer(head, engine.model, TreeShape(6, 3, 2)))
+    b = engine.generate(prompts, 12, FeatureProposer(loaded, engine.model, TreeShape(6, 3, 2)))
+    assert a.stats.accept_hist == b.stats.accept_hist
+
+
+def test_eagle1_layout_keys_and_round_trip(tmp_path):
+    from medusa.feature_formats import save_eagle
+    from safetensors.torch import load_file
+
+    model = tiny_model("llama")
+    head = random_head(model, "eagle1", std=0.2)
+    save_eagle(head, tmp_path, "eagle")
+    state = load_file(str(tmp_path / "model.safetensors"))
+    h, kv = 64, 2 * 16
+    assert {k: tuple(v.shape) for k, v in state.items()} == {
+        "fc.weight": (h, 2 * h), "fc.bias": (h,),
+        "layers.0.self_attn.q_proj.weight": (h, h), "layers.0.self_attn.k_proj.weight": (kv, h),
+        "layers.0.self_attn.v_proj.weight": (kv, h), "layers.0.self_attn.o_proj.weight": (h, h),
+        "layers.0.mlp.gate_proj.weight": (128, h), "layers.0.mlp.up_proj.weight": (128, h),
+        "layers.0.mlp.down_proj.weight": (h, 128), "layers.0.post_attention_layernorm.weight": (h,)}
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["hidden_size"] == h and cfg["vocab_size"] == 97
+    assert read_kind(tmp_path) == "feature"
+    loaded = FeatureHead.load(tmp_path, model)
+    assert loaded.config.style == "eagle1"
+    for k in ("fc.weight", "fc.bias", "layer.self_attn.q_proj.weight", "layer.mlp.down_proj.weight"):
+        assert torch.equal(loaded.state_dict()[k], head.state_dict()[k]), k
+
+
+def test_eagle3_layout_keys_and_round_trip(tmp_path):
+    from medusa.feature_formats import save_eagle
+    from safetensors.torch import load_file
+
+    model = tiny_model("llama")
+    ids = torch.tensor([0, 3, 5, 50, 96])
+    torch.manual_seed(0)
+    cfg = FeatureHeadConfig(64, 97, 5, style="eagle3", feature_layers=[1, 1, 2], own_lm_head=True)
+    head = FeatureHead(cfg, model, ids)
+    save_eagle(head, tmp_path, "eagle3")
+    state = load_file(str(tmp_path / "model.safetensors"))
+    h, kv = 64, 32
+    assert {k: tuple(v.shape) for k, v in state.items()} == {
+        "fc.weight": (h, 3 * h), "midlayer.self_attn.q_proj.weight": (h, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * h), "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, h), "midlayer.mlp.gate_proj.weight": (128, h),
+        "midlayer.mlp.up_proj.weight": (128, h), "midlayer.mlp.down_proj.weight": (h, 128),
+        "midlayer.input_layernorm.weight": (h,), "midlayer.hidden_norm.weight": (h,),
+        "midlayer.post_attention_layernorm.weight": (h,), "norm.weight": (h,), "lm_head.weight": (5, h),
+        "d2t": (5,), "t2d": (97,)}
+    assert (torch.arange(5) + state["d2t"]).tolist() == ids.tolist()
+    assert state["t2d"].nonzero()[:, 0].tolist() == ids.tolist() and state["t2d"].dtype == torch.bool
+    assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == 5
+    loaded = FeatureHead.load(tmp_path, model)
+    assert loaded.config.feature_layers == [1, 1, 2] and loaded.draft_ids.tolist() == ids.tolist()
+    for k, v in head.state_dict().items():
+        if not k.startswith("rotary."):
+            assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def test_eagle_layout_of_the_wrong_style_is_refused(tmp_path):
+    from medusa.feature_formats import save_eagle
+
+    model = tiny_model("llama")
+    with pytest.raises(MedusaError, match="eagle3-style"):
+        save_eagle(random_head(model, "eagle1"), tmp_path, "eagle3")
