@@ -245,3 +245,78 @@ def test_eagle_layout_of_the_wrong_style_is_refused(tmp_path):
     model = tiny_model("llama")
     with pytest.raises(MedusaError, match="eagle3-style"):
         save_eagle(random_head(model, "eagle1"), tmp_path, "eagle3")
+
+
+# ---- training ---------------------------------------------------------------------------------------
+
+
+def test_unrolled_mask_is_what_a_draft_sees():
+    from train.feature import unrolled_mask
+
+    t = 5
+    m = unrolled_mask(3, t, torch.float32, "cpu")[0, 0] == 0
+    # step 0 is causal over the true entries
+    assert torch.equal(m[:t, :t], torch.ones(t, t, dtype=torch.bool).tril()) and not m[:t, t:].any()
+    # step 2 at position 4: true entries 0..2, its step-1 entry at 3, itself at 4 (step 2)
+    row = m[2 * t + 4]
+    assert row[:t].tolist() == [True, True, True, False, False]
+    assert row[t:2 * t].tolist() == [False, False, False, True, False]
+    assert row[2 * t:].tolist() == [False, False, False, False, True]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from train_helpers import fake_distilled, save_tiny_model
+
+    root = tmp_path_factory.mktemp("feature")
+    model = save_tiny_model(root / "model")
+    data = fake_distilled(root / "data", model, n=24, answer_len=24)
+    return root, model, data
+
+
+def _feature_config(root, model, data, run, **extra):
+    import yaml
+
+    from train.feature import load_feature_config
+
+    cfg = {"model": str(model), "dtype": "fp32", "run_dir": str(run), "threads": 2,
+           "data": {"sources": ["sharegpt"], "distill_dir": str(data), "use": "distilled", "eval_fraction": 0.2},
+           "head": {"draft_vocab": 48}, "loss": {"unroll": 2}, "optim": {"lr": 0.003, "warmup_steps": 2},
+           "batch_size": 4, "chunk": 8, "epochs": 6, "checkpoint_every": 5, "wandb": {"mode": "disabled"}}
+    cfg.update(extra)
+    path = root / f"{run.name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return load_feature_config(path)
+
+
+def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path):
+    from train.feature import run_feature_training
+    from transformers import AutoModelForCausalLM
+
+    root, model_dir, data = tiny_run
+    run = tmp_path / "run"
+    first = run_feature_training(_feature_config(root, model_dir, data, run, max_steps=5), progress=False)
+    assert first["step"] == 5 and (run / "checkpoints" / "step-00000005").is_dir()
+    assert len(list((run / "features").glob("*.safetensors"))) == 3  # 24 sequences in chunks of 8
+    done = run_feature_training(_feature_config(root, model_dir, data, run), progress=False)
+    assert done["step"] == 24 and done["trained_tokens"] > first["trained_tokens"]
+    report = json.loads((run / "head" / "eval.json").read_text())
+    assert len(report["rank_accuracy"]) == 2 and report["examples"] == 6  # 2 held out of each chunk
+    hist = torch.load(run / "checkpoints" / "step-00000024" / "trainer_state.pt", weights_only=False)["history"]
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    # The head loads and decodes losslessly on the model it was trained for.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    head = FeatureHead.load(run / "head", model)
+    engine = Engine(Transformer(model), eos_token_ids=None)
+    prompts = mixed_prompts(3, vocab=97, seed=2)
+    spec = engine.generate(prompts, 16, FeatureProposer(head, engine.model, TreeShape(8, 3, 3)))
+    assert [o.tokens for o in spec.outputs] == [hf_greedy(model, p, 16) for p in prompts]
+
+
+def test_shipped_feature_config_validates():
+    from pathlib import Path
+
+    from train.feature import load_feature_config
+
+    for path in sorted((Path(__file__).resolve().parent.parent / "configs" / "feature").glob("*.yaml")):
+        load_feature_config(path)

@@ -358,7 +358,7 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
         step += 1
         n = stats[0][1]
         trained += n
-        row = {"step": step, "loss": float(loss), "lr": sched.get_last_lr()[0], "trained_tokens": trained,
+        row = {"step": step, "loss": float(loss.detach()), "lr": sched.get_last_lr()[0], "trained_tokens": trained,
                "tokens_per_s": n / max(time.perf_counter() - start, 1e-9),
                **{f"step{j}/top1": c / max(m, 1) for j, (c, m) in enumerate(stats)}}
         history.append({"step": step, "loss": row["loss"], "trained_tokens": trained})
