@@ -644,3 +644,95 @@ def load_feature_head(spec: str | Path, target: nn.Module) -> FeatureHead:
     if not d.is_dir():
         raise MedusaError(f"--heads: {d} is not a directory")
     return FeatureHead.load(d, target)
+
+
+# ---- sizing the tree from this machine's pass costs ------------------------------------------------
+
+
+def draft_pass_ms(runner: HeadRunner, rows: int, tokens: int, prefix: int = 256, repeats: int = 5) -> float:
+    """Fastest ms of one head pass over `tokens` entries per row for `rows` rows after a `prefix`-entry
+    cache, with its draft-vocabulary log-softmax and top-k: one draft step's cost."""
+    import time
+
+    dev = runner.device
+    cache = runner.new_cache(rows, prefix + tokens + 1)
+    cache.lens[:rows] = prefix
+    h = runner.config.hidden_size
+    emb = torch.randn(rows, tokens, h, dtype=runner.dtype, device=dev)
+    x = torch.randn(rows, tokens, h, dtype=runner.dtype, device=dev)
+    pos = torch.full((rows, tokens), prefix, device=dev)
+    vis = torch.ones(rows, tokens, tokens, dtype=torch.bool, device=dev)
+    best = float("inf")
+    with torch.inference_mode():
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            out = runner(emb, x, pos, cache, slice(0, rows), 0, vis)
+            torch.log_softmax(runner.logits(out).float(), -1).topk(min(4, runner.config.draft_vocab), -1)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                best = min(best, (time.perf_counter() - t0) * 1000)
+    return best
+
+
+def shape_candidates(max_nodes: int = 64, max_depth: int = 8, topk: int = 4) -> list[TreeShape]:
+    sizes = [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64]
+    out = []
+    for depth in range(1, max_depth + 1):
+        for n in sizes:
+            if n <= max_nodes and n >= depth and topk + (depth - 1) * topk * topk >= n:
+                out.append(TreeShape(n, depth, min(topk, n)))
+    return out
+
+
+def expected_tau_dynamic(shape: TreeShape, accuracy: list[list[float]]) -> float:
+    """Expected tokens per step of a `shape` tree from per-draft-step rank accuracies (eval.json), taken
+    as the best static tree of that budget: a dynamic tree, chosen per row, does at least as well."""
+    from .tree import build_tree, expected_tau
+
+    acc = [row[: shape.topk] for row in accuracy[: shape.depth]]
+    if not acc:
+        return 1.0
+    return expected_tau(build_tree(acc, shape.nodes).nodes, acc)
+
+
+def plan_shape(cal, accuracy: list[list[float]], batch: int, draft_ms, shapes: list[TreeShape] | None = None):
+    """The dynamic tree with the best predicted speedup at `batch` rows, or None (plain decoding):
+    speedup = tau(shape) / (ratio(B, N + 1) + (catch-up + (D - 1) expansions) / one-token pass ms).
+
+    `draft_ms(rows, tokens)` is one head pass's cost; `cal` the calibrated target pass-cost curve."""
+    from .auto import MARGIN, Plan
+
+    one = cal.ms(batch, 1)
+    best = None
+    for shape in shapes or shape_candidates():
+        tau = expected_tau_dynamic(shape, accuracy)
+        drafting = draft_ms(batch, 2) + (shape.depth - 1) * draft_ms(batch, shape.topk)
+        cost = cal.ratio(batch, shape.nodes + 1) + drafting / one
+        speedup = tau / cost
+        if best is None or speedup > best[0]:
+            best = (speedup, shape, tau, cost)
+    speedup, shape, tau, cost = best
+    tree = stand_in_tree(shape.nodes, shape.depth, f"dynamic-{shape.nodes}x{shape.depth}")
+    reason = f"tau {tau:.2f} expected, drafting and a {shape.nodes + 1}-token pass cost {cost:.2f} plain steps"
+    if speedup < MARGIN:
+        return Plan(batch, None, 1.0, 1.0, f"best dynamic tree {tree.name} predicts {speedup:.2f}x (< {MARGIN}x): "
+                                           f"{reason}"), None
+    return Plan(batch, tree, speedup, tau, reason), shape
+
+
+def parse_shape(name: str) -> TreeShape:
+    """`dynamic-N` (depth and top-k chosen for N) or `dynamic-NxD` or `dynamic-NxDxK`."""
+    try:
+        parts = [int(p) for p in name.removeprefix("dynamic-").split("x")]
+    except ValueError:
+        raise MedusaError(f"--tree: {name!r}: expected dynamic-N, dynamic-NxD or dynamic-NxDxK") from None
+    if len(parts) == 1:
+        n = parts[0]
+        depth = max(1, min(6, n // 2 if n > 2 else n))
+        return TreeShape(n, depth, 4 if n >= 4 else n).check()
+    if len(parts) == 2:
+        return TreeShape(parts[0], parts[1], 4 if parts[0] >= 4 else max(1, parts[0])).check()
+    if len(parts) == 3:
+        return TreeShape(*parts).check()
+    raise MedusaError(f"--tree: {name!r}: expected dynamic-N, dynamic-NxD or dynamic-NxDxK")
