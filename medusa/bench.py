@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="HF generate vs plain vs Medusa decoding speed, and tree pass cost")
     p.add_argument("--model", default="default")
     p.add_argument("--heads", default="default")
-    p.add_argument("--tree", default=None)
+    p.add_argument("--tree", default=None, help="fixed Medusa tree(s) to time beside auto mode, comma-separated "
+                                                "(default: the heads' default tree)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,bf16,fp16,fp32}")
     p.add_argument("--device", default=None)
     p.add_argument("--prompts", default="mtbench", help="mtbench, sharegpt or a file")
@@ -75,8 +76,10 @@ def run(args: argparse.Namespace) -> int:
         print("note: no heads for this model, Medusa runs with untrained heads (speed only, tau meaningless)")
         rt.heads = MedusaHeads(HeadsConfig(rt.hf_model.config.hidden_size,
                                            rt.hf_model.get_output_embeddings().weight.shape[0])).attach(rt.hf_model)
-    proposer = rt.proposer("medusa", args.tree)
+    trees = args.tree.split(",") if args.tree else [None]
+    fixed = {f"medusa:{p.tree.name}": p for p in (rt.proposer("medusa", t) for t in trees)}
     prompts = rt.encode(load_prompts(args.prompts, args.num_prompts))
+    rt.auto(1)  # calibrate (once per machine) before anything is timed
     n_new = args.max_new_tokens
     eos = rt.engine.eos.tolist()
 
@@ -87,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
         return out.shape[1] - len(p)
 
     methods = {"plain": lambda p: rt.engine.generate([p], n_new),
-               "medusa": lambda p: rt.engine.generate([p], n_new, proposer)}
+               # Auto mode as a user gets it: a fresh decision and gate per call, probe step included.
+               "auto": lambda p: rt.engine.generate([p], n_new, policy=rt.auto(1, progress=False)),
+               **{name: (lambda p, prop=prop: rt.engine.generate([p], n_new, prop)) for name, prop in fixed.items()}}
     if not args.no_hf:
         methods = {"hf_generate": hf, **methods}
     # Warm-up: first calls allocate and pick kernels.
@@ -95,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         fn(prompts[0][:32])
     rates: dict[str, list[float]] = {m: [] for m in methods}
     extra: dict[str, dict] = {m: {"tokens": 0, "forward_passes": 0, "accepted": []} for m in methods}
-    mismatches = 0
+    mismatches: dict[str, int] = {m: 0 for m in methods if m not in ("hf_generate", "plain")}
     for _ in range(args.repeats):
         for p in prompts:
             outputs = {}
@@ -112,27 +117,33 @@ def run(args: argparse.Namespace) -> int:
                     outputs[name] = result.outputs[0].tokens
                 extra[name]["tokens"] += tokens
                 rates[name].append(tokens / seconds)
-            mismatches += outputs["plain"] != outputs["medusa"]
+            for name in mismatches:
+                mismatches[name] += outputs[name] != outputs["plain"]
     curve = tree_pass_curve(rt)
-    res = {"model": rt.hf_model.name_or_path, "dtype": args.dtype, "device": str(rt.model.device),
+    ours = [m for m in methods if m != "hf_generate"]
+    res = {"model": rt.hf_model.name_or_path, "dtype": rt.dtype.name, "dtype_reason": rt.dtype.reason,
+           "machine": rt.machine.to_dict(), "device": str(rt.model.device),
            "threads": torch.get_num_threads(), "prompts": len(prompts), "max_new_tokens": n_new,
-           "tree": proposer.tree.name, "tokens_per_s": {m: statistics.median(v) for m, v in rates.items()},
+           "auto_plan": rt.auto(1, progress=False).plan(1).to_dict(),
+           "tokens_per_s": {m: statistics.median(v) for m, v in rates.items()},
            "tokens_per_s_all": rates,
-           "mean_accepted": statistics.median(extra["medusa"]["accepted"]),
-           "forward_passes": {m: extra[m]["forward_passes"] for m in ("plain", "medusa")},
+           "mean_accepted": {m: statistics.median(extra[m]["accepted"]) for m in ours},
+           "forward_passes": {m: extra[m]["forward_passes"] for m in ours},
            "new_tokens": {m: extra[m]["tokens"] for m in methods},
            "greedy_mismatches": mismatches, "tree_pass_ms": curve,
            "tree_pass_vs_plain_step": {n: v / curve[1] for n, v in curve.items()}}
     tps = res["tokens_per_s"]
-    print(f"model {res['model']} {args.dtype} on {res['device']}, {len(prompts)} prompts x {n_new} new tokens, "
-          f"bs=1, tree {res['tree']}, medians of {len(prompts) * args.repeats} runs")
+    print(f"model {res['model']} {rt.dtype.name} ({rt.dtype.reason}) on {rt.machine.describe()}, "
+          f"{len(prompts)} prompts x {n_new} new tokens, bs=1, medians of {len(prompts) * args.repeats} runs")
+    plan = res["auto_plan"]
+    print(f"  auto plans {plan['tree'] or 'plain'} at bs 1: {plan['reason']}")
     for m, v in tps.items():
-        print(f"  {m:12s} {v:7.1f} tok/s")
+        vs = f"{v / tps['plain']:.2f}x plain" if m != "plain" else ""
+        acc = f"tau {res['mean_accepted'][m]:.2f}" if m in res["mean_accepted"] else ""
+        mis = f"greedy mismatches {mismatches[m]}" if m in mismatches else ""
+        print(f"  {m:16s} {v:7.1f} tok/s  {vs:12s} {acc:10s} {mis}")
     if "hf_generate" in tps:
         print(f"  plain / hf_generate  = {tps['plain'] / tps['hf_generate']:.2f}x")
-    print(f"  medusa / plain       = {tps['medusa'] / tps['plain']:.2f}x   tau = {res['mean_accepted']:.2f}   "
-          f"forward passes plain {res['forward_passes']['plain']} medusa {res['forward_passes']['medusa']}   "
-          f"greedy mismatches {mismatches}")
     print("  one target pass over a tree (ms, x plain step): " +
           ", ".join(f"{n}: {v:.1f} ({v / curve[1]:.2f}x)" for n, v in curve.items()))
     if args.json:

@@ -1,4 +1,4 @@
-"""Plain decoding vs Medusa on the embedded model, same prompts, side by side."""
+"""Plain decoding next to what `--mode auto` chooses on this machine, same prompts, side by side."""
 
 from __future__ import annotations
 
@@ -6,48 +6,83 @@ import argparse
 import sys
 import textwrap
 
+import torch
+
+from .cli import describe_auto
 from .errors import MedusaError
 from .hardware import DTYPE_CHOICES
 from .runtime import Runtime
 
 PROMPTS = ["Explain in three sentences why the sky is blue.",
            "Write a Python function that checks whether a string is a palindrome."]
+WIDTH = 60
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="medusa-demo", description=__doc__)
     p.add_argument("--prompt", action="append", help="prompt (repeatable); two built-in ones by default")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--tree", default=None)
+    p.add_argument("--mode", default="auto", choices=["auto", "medusa"],
+                   help="auto (default): what this machine's calibration recommends; medusa: always speculate")
+    p.add_argument("--tree", default=None, help="with --mode medusa: the tree")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,bf16,fp32}")
     args = p.parse_args(argv)
+    texts = args.prompt or PROMPTS
     try:
         rt = Runtime.load("default", "default", args.dtype)
         if rt.heads is None:
             raise MedusaError("no shipped heads found in medusa/assets/heads")
-        prompts = rt.encode(args.prompt or PROMPTS)
+        prompts = rt.encode(texts)
+        print(f"machine: {rt.machine.describe()}")
+        print(f"dtype:   {rt.dtype.name} ({rt.dtype.reason})")
+        auto = rt.auto(len(prompts)) if args.mode == "auto" else None
+        proposer = rt.proposer("medusa", args.tree) if args.mode == "medusa" else None
+        if auto is not None:
+            print(describe_auto(rt, auto, len(prompts)).removeprefix("medusa: "))
         rt.engine.generate(prompts, 4)  # warm-up
         plain = rt.engine.generate(prompts, args.max_new_tokens)
-        spec = rt.engine.generate(prompts, args.max_new_tokens, rt.proposer("medusa", args.tree))
+        spec = rt.engine.generate(prompts, args.max_new_tokens, proposer, policy=auto)
     except MedusaError as exc:
         print(f"demo: error: {exc}", file=sys.stderr)
         return 2
-    width = 60
+    label = "auto" if auto is not None else "medusa"
     for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs)):
-        print(f"\n=== prompt {i + 1}: {(args.prompt or PROMPTS)[i]}")
-        left = textwrap.wrap(rt.decode(a.tokens), width) or [""]
-        right = textwrap.wrap(rt.decode(b.tokens), width) or [""]
-        print(f"{'plain':<{width}} | medusa")
-        for k in range(max(len(left), len(right))):
-            print(f"{left[k] if k < len(left) else '':<{width}} | {right[k] if k < len(right) else ''}")
-        print(f"identical tokens: {a.tokens == b.tokens}")
+        print(f"\n=== prompt {i + 1}: {texts[i]}")
+        side_by_side(rt.decode(a.tokens), rt.decode(b.tokens), label)
+        print(identity_line(rt, prompts[i], a.tokens, b.tokens))
     print(f"\nplain : {plain.tokens_per_s:6.1f} tok/s, {plain.stats.forward_passes} forward passes, "
           f"{plain.stats.new_tokens} tokens")
-    print(f"medusa: {spec.tokens_per_s:6.1f} tok/s, {spec.stats.forward_passes} forward passes, "
+    print(f"{label:6s}: {spec.tokens_per_s:6.1f} tok/s, {spec.stats.forward_passes} forward passes, "
           f"{spec.stats.new_tokens} tokens, tau {spec.stats.mean_accepted:.2f} tokens/step, "
           f"speedup {spec.tokens_per_s / plain.tokens_per_s:.2f}x")
-    print("per-head acceptance: " + ", ".join(f"{a:.2f}" for a in spec.stats.acceptance_by_head()))
+    if auto is not None:
+        print(f"auto steps: {auto.steps['speculative']} speculative, {auto.steps['plain']} plain"
+              + (f"; {'; '.join(auto.events)}" if auto.events else ""))
+    if spec.stats.steps and any(spec.stats.acceptance_by_head()):
+        print("per-head acceptance: " + ", ".join(f"{a:.2f}" for a in spec.stats.acceptance_by_head()))
     return 0
+
+
+def side_by_side(left_text: str, right_text: str, label: str) -> None:
+    left, right = textwrap.wrap(left_text, WIDTH) or [""], textwrap.wrap(right_text, WIDTH) or [""]
+    print(f"{'plain':<{WIDTH}} | {label}")
+    for k in range(max(len(left), len(right))):
+        print(f"{left[k] if k < len(left) else '':<{WIDTH}} | {right[k] if k < len(right) else ''}")
+
+
+def identity_line(rt: Runtime, prompt: list[int], a: list[int], b: list[int]) -> str:
+    """'identical tokens', or where the outputs part and how close the target's top two logits were there:
+    in bf16 a tree pass and a one-token pass round differently, so a near-tie may fall either way."""
+    if a == b:
+        return "identical tokens: yes"
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + a[:n]], device=rt.model.device)
+        logits = rt.hf_model(ids).logits[0, -1].float()
+    top = logits.topk(2).values
+    gap = float(top[0] - top[1])
+    return (f"identical tokens: no, from token {n + 1} on: the target's top two logits there are {gap:.3f} apart "
+            f"(a near-tie that {rt.dtype.name} rounding decides; fp32 decoding is token-identical)")
 
 
 if __name__ == "__main__":

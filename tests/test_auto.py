@@ -171,6 +171,8 @@ def tiny_runtime(dtype=torch.float32) -> Runtime:
 
 def test_calibration_is_measured_once_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibrate, "TOKENS", [1, 2, 4, 8, 16])
+    monkeypatch.setattr(calibrate, "REPEATS", 2)
     rt = tiny_runtime()
     first = load_or_measure(rt, [1, 2], progress=False)
     assert first.path.is_file() and first.batch_sizes() == [1, 2] and set(first.heads_ms) == {1, 2}
