@@ -230,3 +230,23 @@ def test_engine_threads_leave_a_core(monkeypatch):
         torch.set_num_threads(before)
     with pytest.raises(MedusaError, match="threads"):
         load_config(None, {"threads": 0})
+
+
+def test_calibrated_plans_set_watermarks_and_trees():
+    """The auto mode's plans (speculate with a tree at 1-2 rows, plain from 4) become the dynamic
+    policy's defaults when no cost-model file is given."""
+    from medusa.auto import Plan
+    from medusa.tree import Tree
+    from serve.policy import CostModel
+
+    big, small = Tree([[0], [1], [0, 0]], name="auto-3"), Tree([[0]], name="auto-1")
+    plans = [Plan(1, big, 1.4, 1.6, ""), Plan(2, small, 1.1, 1.3, ""), Plan(4, None, 1.0, 1.0, ""),
+             Plan(8, None, 1.0, 1.0, "")]
+    p = SpeculationPolicy(PolicyConfig(), has_medusa=True, has_draft=False, calibrated=CostModel.from_plans(plans))
+    for n in (1, 2, 4, 8):
+        p.observe(PLAIN, n, 1.0, 0.01)
+    assert (p.high, p.low) == (4, 2)
+    assert [p.decide(n, 0).tree for n in (1, 2)] == ["auto-3", "auto-1"]
+    assert p.decide(4, 0).mode == "plain"
+    # A cost-model file, when given, decides instead.
+    assert SpeculationPolicy(PolicyConfig(), True, False, calibrated=None).high == PolicyConfig().high_watermark
