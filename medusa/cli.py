@@ -62,6 +62,10 @@ def int_list(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="medusa", description="Self-speculative decoding with Medusa heads")
+    # The deepspeed launcher puts `--local_rank=N` before the subcommand; the rank's device comes from
+    # the LOCAL_RANK variable every launcher sets (train.trainer.rank_device), so the flag is only accepted.
+    parser.add_argument("--local_rank", "--local-rank", dest="launcher_local_rank", type=int, default=None,
+                        help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one or more prompts (batched)")

@@ -75,3 +75,139 @@ def test_deepspeed_resume_after_kill_matches_uninterrupted_run(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
     _same_heads(tmp_path / "a" / "heads", tmp_path / "b" / "heads")
+
+
+# ---- other launchers: the deepspeed launcher and accelerate launch -----------------------------------------
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """A tiny model, its distilled data and the heads one process trains from them (the reference)."""
+    from train.config import load_config
+    from train.trainer import run_training
+
+    root = tmp_path_factory.mktemp("launchers")
+    model = save_tiny_model(root / "model")
+    data = fake_distilled(root / "data", model, n=16)
+    run_training(load_config(write_config(root / "one.yaml", model, data, root / "one", **LAUNCH_RUN)))
+    return root, model, data
+
+
+LAUNCH_RUN = dict(max_steps=6, batch_size=32, grad_accum=2, checkpoint_every=100)
+
+
+def _run_launcher(cmd: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+
+
+def test_deepspeed_launcher_trains_in_two_processes(one_process):
+    # The launcher passes `--local_rank=N` ahead of the subcommand; on a machine without GPUs DeepSpeed picks
+    # its CPU accelerator and `--num_gpus 2` still starts two processes (gloo).
+    root, model, data = one_process
+    config = write_config(root / "ds.yaml", model, data, root / "ds", **LAUNCH_RUN)
+    launcher = Path(sys.executable).parent / "deepspeed"
+    proc = _run_launcher([str(launcher), "--num_gpus", "2", "--master_port", str(_free_port()), "--module",
+                          "medusa.cli", "train", "--config", str(config), *ZERO2])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "--local_rank=1" in proc.stdout + proc.stderr  # what the launcher passed, and was accepted
+    assert "training in 2 processes" in proc.stdout + proc.stderr
+    _same_heads(root / "one" / "heads", root / "ds" / "heads", rtol=1e-3, atol=1e-4)
+
+
+def test_accelerate_launch_trains_in_two_processes(one_process):
+    # `--multi_gpu` is accelerate's torchrun launcher; on a machine without GPUs the ranks train on the CPU
+    # over gloo. (`--cpu --num_processes 2` starts a single process unless mpirun is set up.)
+    root, model, data = one_process
+    config = write_config(root / "acc.yaml", model, data, root / "acc", **LAUNCH_RUN)
+    launcher = Path(sys.executable).parent / "accelerate"
+    proc = _run_launcher([str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                          "--mixed_precision", "no", "--dynamo_backend", "no",
+                          "--main_process_port", str(_free_port()), "-m", "medusa.cli", "train",
+                          "--config", str(config)])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "training in 2 processes" in proc.stderr
+    _same_heads(root / "one" / "heads", root / "acc" / "heads", rtol=1e-3, atol=1e-4)
+
+
+# ---- each rank on its own device -----------------------------------------------------------------------------
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Pretend this machine has two CUDA devices; records the devices made current."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(d))
+    return current
+
+
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_each_rank_takes_the_gpu_of_its_local_rank(fake_cuda, monkeypatch, local_rank):
+    from train.trainer import rank_device
+
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert rank_device() == torch.device("cuda", int(local_rank))
+    assert fake_cuda == [int(local_rank)]
+
+
+def test_rank_device_without_cuda_or_with_too_few_gpus(fake_cuda, monkeypatch):
+    from medusa.errors import MedusaError
+    from train.trainer import rank_device
+
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(MedusaError, match="LOCAL_RANK: 2 but this machine has 2 visible CUDA"):
+        rank_device()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rank_device() == torch.device("cpu") and fake_cuda == []
+
+
+def test_training_loads_the_target_on_the_ranks_device(fake_cuda, monkeypatch):
+    """run_training asks for the target on cuda:LOCAL_RANK, not on whatever `cuda` means (GPU 0)."""
+    import train.trainer as trainer
+    from train.config import TrainConfig
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_load_target(model, dtype, device):
+        asked.append(device)
+        raise Stop
+
+    monkeypatch.setattr(trainer, "load_target", fake_load_target)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(Stop):
+        trainer.run_training(TrainConfig(model="unused"))
+    assert asked == [torch.device("cuda", 1)] and fake_cuda == [1]
+
+
+def test_launcher_rank_flags_are_accepted(capsys):
+    """`--local_rank=N` before the subcommand (the deepspeed launcher) or `--local-rank N` after it is
+    accepted and ignored: the bad config key is what gets reported, not the flag."""
+    from medusa.cli import main
+
+    config = str(REPO / "configs" / "train" / "smollm2-medusa1.yaml")
+    for argv in (["--local_rank=1", "train"], ["train", "--local-rank", "1"], ["distill", "--local_rank=0"]):
+        assert main([*argv, "--config", config, "--set", "optim.lrr=1"]) == 2
+        err = capsys.readouterr().err
+        assert "optim.lrr: unknown key" in err and "unrecognized" not in err
+
+
+def test_checkpoints_carry_the_cuda_generator_where_there_is_one(monkeypatch):
+    from train import checkpoint as ckpt
+
+    assert "cuda" not in ckpt.rng_state() or torch.cuda.is_available()
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.tensor([7, 8], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: restored.append(s.tolist()))
+    state = ckpt.rng_state()
+    assert state["cuda"].tolist() == [7, 8]
+    ckpt.set_rng_state(state)
+    assert restored == [[7, 8]]
+    # A checkpoint from a GPU machine resumes on a CPU one (the CUDA state is skipped), and an old one
+    # without a CUDA state still loads.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ckpt.set_rng_state(state)
+    ckpt.set_rng_state({k: v for k, v in state.items() if k != "cuda"})
+    assert restored == [[7, 8]]

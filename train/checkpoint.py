@@ -22,12 +22,21 @@ STATE = "trainer_state.pt"
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """CPU, Python and (where CUDA is available) this process's CUDA generator states."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        # Only the current device's generator: each rank owns one device (train.trainer.rank_device).
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` saved; a CUDA state is restored only where CUDA is available (a checkpoint
+    made on a GPU machine still resumes on a CPU one, and an older one without it still loads)."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def atomic_dir(final: Path, fill) -> Path:

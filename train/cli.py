@@ -15,6 +15,8 @@ def add_parser(subparsers) -> None:
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. data.limit=256 (repeatable)")
     d.add_argument("--no-progress", action="store_true")
+    # Launchers (deepspeed) may pass this; the device comes from LOCAL_RANK (train.trainer.rank_device).
+    d.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     d.set_defaults(func=cmd_distill)
 
     t = subparsers.add_parser("train", help="train Medusa heads (also under torchrun / deepspeed)")

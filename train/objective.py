@@ -98,8 +98,8 @@ def rank_accuracy(objective: HeadObjective, hidden: torch.Tensor, labels: torch.
                   batch: int = 512) -> tuple[list[list[float]], list[int]]:
     """acc[k][r]: fraction of head k's labels that are its rank-r prediction (r < topk); and label counts."""
     k_heads = labels.shape[1]
-    hits = torch.zeros(k_heads, topk)
-    counts = torch.zeros(k_heads)
+    hits = torch.zeros(k_heads, topk, device=hidden.device)  # a training rank evaluates on its own device
+    counts = torch.zeros(k_heads, device=hidden.device)
     for s in range(0, hidden.shape[0], batch):
         logits = objective.logits(hidden[s: s + batch])
         lab = labels[s: s + batch]

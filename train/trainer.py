@@ -35,6 +35,7 @@ from .objective import HeadObjective, rank_accuracy
 class Dist:
     rank: int = 0
     world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def main(self) -> bool:
@@ -50,18 +51,46 @@ class Dist:
             dist.barrier()
 
 
+def local_rank() -> int:
+    """This process's index on its machine. torchrun, `deepspeed` and `accelerate launch` all set
+    LOCAL_RANK (the deepspeed launcher also passes `--local_rank=N`, which the CLI accepts and ignores)."""
+    value = os.environ.get("LOCAL_RANK", "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise MedusaError(f"LOCAL_RANK: expected an integer, got {value!r}") from None
+
+
+def rank_device(rank: int | None = None) -> torch.device:
+    """The device this process trains on: `cuda:LOCAL_RANK` (made the current CUDA device, so that NCCL and
+    every bare `cuda` tensor use it) when CUDA is available, else the CPU. Without this every rank would
+    land on GPU 0."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    rank = local_rank() if rank is None else rank
+    count = torch.cuda.device_count()
+    if not 0 <= rank < count:
+        raise MedusaError(f"LOCAL_RANK: {rank} but this machine has {count} visible CUDA device(s); "
+                          "start at most that many processes per machine (or set CUDA_VISIBLE_DEVICES)")
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
+
+
 def init_dist(cfg: TrainConfig) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    # The device is chosen before the process group starts: NCCL binds each rank to the current device.
+    device = rank_device()
     if world == 1:
-        return Dist()
+        return Dist(device=device)
     if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
         if cfg.deepspeed:
             import deepspeed
 
-            deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+            deepspeed.init_distributed(dist_backend=backend)
         else:
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return Dist(dist.get_rank(), dist.get_world_size())
+            dist.init_process_group(backend)
+    return Dist(dist.get_rank(), dist.get_world_size(), device)
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -146,7 +175,9 @@ def run_training(cfg: TrainConfig, eval_only: bool = False, prepare_only: bool =
     torch.manual_seed(cfg.seed)
     d = init_dist(cfg)
     run_dir = Path(cfg.run_dir)
-    hf_model, tokenizer = load_target(cfg.model, cfg.dtype, "cpu" if not torch.cuda.is_available() else None)
+    hf_model, tokenizer = load_target(cfg.model, cfg.dtype, d.device)
+    if d.world > 1 and d.main:
+        print(f"training in {d.world} processes (rank 0 on {d.device})", file=sys.stderr, flush=True)
     if cfg.medusa2.enabled:
         from .medusa2 import add_lora
 
@@ -156,7 +187,7 @@ def run_training(cfg: TrainConfig, eval_only: bool = False, prepare_only: bool =
                        num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers,
                        own_lm_head=cfg.heads.own_lm_head, base_model=getattr(base, "name_or_path", cfg.model))
     torch.manual_seed(cfg.seed)
-    heads = MedusaHeads(hcfg, base.get_output_embeddings()).float()
+    heads = MedusaHeads(hcfg, base.get_output_embeddings()).float().to(d.device)
     objective = HeadObjective(heads, base.get_output_embeddings().weight, cfg.head_weights(), cfg.loss.kind,
                               cfg.loss.kl_temperature)
     meta = {"base": base_fingerprint(base, hcfg.base_model), "heads": asdict(hcfg) | {"base_model": None},
@@ -182,7 +213,7 @@ def _tables(run: Run, groups: list[tuple[str, list[dict]]]) -> PositionTable:
     for name, exs in groups:
         key = table_key(run.meta["base"], cfg.dtype, name, len(exs), [e["input_ids"] for e in exs])
         path = run.run_dir / "hidden" / f"{name}.safetensors"
-        build = lambda exs=exs: build_table(exs, hf_hidden_fn(run.hf_model), progress=run.d.main)
+        build = lambda exs=exs: build_table(exs, _table_hidden_fn(run), progress=run.d.main)
         if run.d.world > 1:
             # One process builds the cache, the others wait and read it.
             if run.d.main:
@@ -226,7 +257,8 @@ class Stepper:
                 model_parameters=[p for p in module.parameters() if p.requires_grad])
             self.model = self.engine
         elif run.d.world > 1:
-            self.model = torch.nn.parallel.DistributedDataParallel(module, find_unused_parameters=True)
+            ids = [run.d.device.index] if run.d.device.type == "cuda" else None
+            self.model = torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, find_unused_parameters=True)
 
     def backward(self, loss: torch.Tensor) -> None:
         # Losses are already normalised by global counts; undo the averaging DDP / DeepSpeed apply.
@@ -286,6 +318,7 @@ def train_heads(run: Run, groups: list[tuple[str, list[dict]]], eval_only: bool)
     run.answer_counts = torch.bincount(answers, minlength=vocab)
     if cfg.loss.vocab_subset is not None:
         run.objective.restrict_vocab(torch.cat([answers, torch.arange(min(cfg.loss.vocab_subset, vocab))]))
+        run.objective.remap = run.objective.remap.to(d.device)  # indexed by labels on the rank's device
     stepper = Stepper(run, run.module, total)
     step = resume(run, stepper)
     if eval_only:
@@ -306,31 +339,31 @@ def train_heads(run: Run, groups: list[tuple[str, list[dict]]], eval_only: bool)
         if table is not None:
             sel = [positions[g] for g in global_idx]
             labels = [table.labels(s, num_heads) for s in sel]
-            norm = sum((lab >= 0).sum(0) for lab in labels)
+            norm = sum((lab >= 0).sum(0) for lab in labels).to(d.device)
             for m in range(cfg.grad_accum):
                 mine = slice(d.rank * micro, (d.rank + 1) * micro)
-                idx, lab = sel[m][mine], labels[m][mine]
-                teacher = _teacher_from_table(table, idx, num_heads) if cfg.loss.kind == "kl" else None
-                loss, stats = stepper.model(table.hidden[idx], lab, norm, teacher)
+                idx, lab = sel[m][mine], labels[m][mine].to(d.device)
+                teacher = _teacher_from_table(table, idx, num_heads).to(d.device) if cfg.loss.kind == "kl" else None
+                loss, stats = stepper.model(table.hidden[idx].to(d.device), lab, norm, teacher)
                 stepper.backward(loss)
                 agg = _merge(agg, loss, stats)
         else:
             batches = [pad_batch([train_ex[int(i)] for i in g]) for g in global_idx]
             labels = [head_labels(b["input_ids"], b["loss_mask"], num_heads) for b in batches]
-            norm = sum((lab >= 0).sum((0, 1)) for lab in labels)
-            base_norm = sum(b["loss_mask"][:, 1:].sum() for b in batches)
+            norm = sum((lab >= 0).sum((0, 1)) for lab in labels).to(d.device)
+            base_norm = sum(b["loss_mask"][:, 1:].sum() for b in batches).to(d.device)
             for m in range(cfg.grad_accum):
                 mine = slice(d.rank * micro, (d.rank + 1) * micro)
-                part = {k: v[mine] for k, v in batches[m].items()}
+                part = {k: v[mine].to(d.device) for k, v in batches[m].items()}
                 if cfg.medusa2.enabled:
-                    loss, stats = stepper.model(part, labels[m][mine], norm, base_norm,
+                    loss, stats = stepper.model(part, labels[m][mine].to(d.device), norm, base_norm,
                                                 step < cfg.medusa2.heads_only_steps, cfg.loss.kind == "kl")
                     stepper.backward(loss)
                     agg = _merge(agg, loss, stats)
                     continue
                 with torch.no_grad():
                     hidden = hf_hidden_fn(run.hf_model)(part)
-                lab = labels[m][mine]
+                lab = labels[m][mine].to(d.device)
                 keep = (lab >= 0).any(-1)
                 teacher = _teacher_from_seq(hidden, num_heads)[keep] if cfg.loss.kind == "kl" else None
                 loss, stats = stepper.model(hidden[keep], lab[keep], norm, teacher)
@@ -347,6 +380,13 @@ def train_heads(run: Run, groups: list[tuple[str, list[dict]]], eval_only: bool)
     logger.close()
     return {"step": step, "total": total, "history": run.history, "table_seconds": table_seconds,
             "train_seconds": train_seconds, "trained_positions": trained}
+
+
+def _table_hidden_fn(run: Run):
+    """The frozen base's hidden states for a CPU batch, computed on the rank's device and kept on the CPU
+    (where cached tables live)."""
+    fn = hf_hidden_fn(run.hf_model)
+    return lambda batch: fn({k: v.to(run.d.device) for k, v in batch.items()}).cpu()
 
 
 def _fault_injection(step: int) -> None:
@@ -500,10 +540,11 @@ def evaluate(run: Run, eval_ex: list[dict]) -> dict:
     cfg = run.cfg
     if not eval_ex:
         return {}
-    table = build_table(eval_ex, hf_hidden_fn(run.hf_model))
+    table = build_table(eval_ex, _table_hidden_fn(run))
     idx = table.trainable()
     labels = table.labels(idx, cfg.heads.num_heads)
-    acc, counts = rank_accuracy(run.objective, table.hidden[idx], labels, cfg.eval_topk)
+    device = run.d.device
+    acc, counts = rank_accuracy(run.objective, table.hidden[idx].to(device), labels.to(device), cfg.eval_topk)
     cumulative = [[sum(a[: r + 1]) for r in range(len(a))] for a in acc]
     return {"examples": len(eval_ex), "labels_per_head": counts, "rank_accuracy": acc,
             "topk_accuracy": cumulative,
