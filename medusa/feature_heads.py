@@ -283,7 +283,7 @@ class _HeadLayer(_Layer):
 class HeadRunner(nn.Module):
     """The head's inference copy in the target's dtype: packed weights, a pass over a ragged cache."""
 
-    def __init__(self, head: FeatureHead, dtype: torch.dtype):
+    def __init__(self, head: FeatureHead, dtype: torch.dtype, vocab: int | None = None):
         super().__init__()
         original, embed, borrowed = head, head.embed, head._target
         original._target = []  # the target is borrowed: never copied
@@ -297,11 +297,18 @@ class HeadRunner(nn.Module):
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.layer = _HeadLayer(head, self.head_dim)
         self.fc = _packed(head.fc.requires_grad_(False))
-        self.lm_head = _packed(head.lm_head.requires_grad_(False))
+        lm = head.lm_head.requires_grad_(False)
+        ids = head.draft_ids
+        if vocab is not None and vocab < len(ids):  # the first `vocab` draft ids (trained heads: most frequent)
+            lm = nn.Linear(lm.in_features, vocab, bias=False, dtype=dtype).requires_grad_(False)
+            lm.weight.data.copy_(head.lm_head.weight[:vocab])
+            ids = ids[:vocab]
+        self.lm_head = _packed(lm)
         self.norm = RMSNorm(head.norm) if head.norm is not None else None
         self.rotary = head.rotary
         self._embed = [embed]
-        self.register_buffer("draft_ids", head.draft_ids.clone(), persistent=False)
+        self.register_buffer("draft_ids", ids.clone(), persistent=False)
+        self.vocab = len(ids)
         self.dtype = dtype
 
     @property
@@ -406,14 +413,15 @@ class FeatureProposer:
     owns_step = True
 
     def __init__(self, head: FeatureHead, target: Transformer, shape: TreeShape | None = None,
-                 sample_chain: bool = True):
+                 sample_chain: bool = True, vocab: int | None = None, runner: HeadRunner | None = None):
         self.head = head
         self.target = target
         self.shape = (shape or TreeShape()).check()
-        if self.shape.topk > head.config.draft_vocab:
+        # Several proposers (tree shapes) of one head share its packed inference copy.
+        self.runner = runner or HeadRunner(head, target.dtype, vocab).to(target.device)
+        if self.shape.topk > self.runner.vocab:
             raise MedusaError(f"top-{self.shape.topk} expansions need more than the head's "
-                              f"{head.config.draft_vocab} draft tokens")
-        self.runner = HeadRunner(head, target.dtype).to(target.device)
+                              f"{self.runner.vocab} draft tokens")
         self.tree = stand_in_tree(self.shape.nodes, self.shape.depth,
                                   f"dynamic-{self.shape.nodes}x{self.shape.depth}")
         # Rows sampled with rejection acceptance draft a chain sampled from the head's distribution and
@@ -667,7 +675,7 @@ def draft_pass_ms(runner: HeadRunner, rows: int, tokens: int, prefix: int = 256,
         for i in range(repeats + 1):
             t0 = time.perf_counter()
             out = runner(emb, x, pos, cache, slice(0, rows), 0, vis)
-            torch.log_softmax(runner.logits(out).float(), -1).topk(min(4, runner.config.draft_vocab), -1)
+            torch.log_softmax(runner.logits(out).float(), -1).topk(min(4, runner.vocab), -1)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             if i:

@@ -264,12 +264,13 @@ def head_loss(head, cfg: FeatureTrainConfig, feats: torch.Tensor, tokens: torch.
 
 
 def draft_vocabulary(counts: torch.Tensor, size: int, always: int = 256) -> torch.Tensor:
-    """The `size` most frequent answer tokens (ids below `always` first: special and byte tokens)."""
+    """The `size` most frequent answer tokens, most frequent first (ids below `always` lead: special and
+    byte tokens). The order lets inference keep any prefix as a smaller draft vocabulary."""
     vocab = counts.shape[0]
     size = min(size, vocab)
     score = counts.float().clone()
-    score[: min(always, vocab)] = float("inf")
-    return torch.argsort(score, descending=True, stable=True)[:size].sort().values
+    score[: min(always, vocab)] += float(counts.sum()) + 1
+    return torch.argsort(score, descending=True, stable=True)[:size]
 
 
 # ---- the run --------------------------------------------------------------------------------------
