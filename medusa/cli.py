@@ -60,13 +60,23 @@ def int_list(text: str) -> list[int]:
     return vals
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("medusa")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="medusa", description="Self-speculative decoding with Medusa heads")
     # The deepspeed launcher puts `--local_rank=N` before the subcommand; the rank's device comes from
     # the LOCAL_RANK variable every launcher sets (train.trainer.rank_device), so the flag is only accepted.
     parser.add_argument("--local_rank", "--local-rank", dest="launcher_local_rank", type=int, default=None,
                         help=argparse.SUPPRESS)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    sub = parser.add_subparsers(dest="command")
 
     g = sub.add_parser("generate", help="generate text for one or more prompts (batched)")
     g.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
@@ -86,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(name).add_parser(sub)
 
     args = parser.parse_args(argv)
+    if args.command is None:  # a bare `medusa`: say what there is, not just that something is missing
+        parser.print_help()
+        return 0
     try:
         return args.func(args) or 0
     except MedusaError as exc:

@@ -55,12 +55,28 @@ class Finished:
     reason: str  # "stop" (EOS) or "length"
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class TokenLogprobs:
+    """The target's log-probabilities at each emitted position: log_softmax of its raw logits (before
+    temperature, top-k/top-p), so they are the same whether or not the tokens came from speculation."""
+
+    token: torch.Tensor       # [n, m] log-probability of the emitted token
+    top_ids: torch.Tensor     # [n, m, k] the k most likely tokens (k = the most any row asked for)
+    top: torch.Tensor         # [n, m, k] their log-probabilities
+
+
 @dataclass
 class StepOutput:
     ids: list[Hashable]       # request id of each row that took part, in row order
     tokens: torch.Tensor      # [n, m] new tokens per row (first `counts[r]` valid)
     counts: torch.Tensor      # [n]
     finished: list[Finished]
+    # Only when a row asked for them (`Engine.add(..., logprobs=...)`); rows that did not ask get the
+    # same values, which the caller ignores.
+    logprobs: TokenLogprobs | None = None
 
 
 class StepPolicy(Protocol):
@@ -94,6 +110,9 @@ class Batch:
         self.aux: dict[str, Any] = {}
         self.sampling = RowSampling(rows, dev)
         self.stats = Stats()
+        # Request id -> top-k of the rows that asked for log-probabilities. Empty in the common case, so
+        # a step pays one dict check for the feature.
+        self.logprobs: dict[Hashable, int] = {}
 
     @property
     def seq_len(self) -> torch.Tensor:
@@ -123,7 +142,15 @@ class Batch:
                 self.ids[d] = self.ids[s]
         del self.ids[keep_n:]
         self.n = keep_n
+        for f in done:
+            self.logprobs.pop(f.id, None)
         return done
+
+    def logprobs_k(self) -> int | None:
+        """The largest top-k asked for by an active row, or None when no row asked for log-probabilities."""
+        if not self.logprobs:
+            return None
+        return max(self.logprobs.values())
 
 
 class Engine:
@@ -139,8 +166,12 @@ class Engine:
 
     @torch.inference_mode()
     def add(self, batch: Batch, ids: list[Hashable], prompts: list[list[int]],
-            max_new_tokens: int | list[int], sampling: list[SamplingParams] | None = None) -> StepOutput:
-        """Prefill new rows (right-padded into one pass) and decide each row's first token."""
+            max_new_tokens: int | list[int], sampling: list[SamplingParams] | None = None,
+            logprobs: list[int | None] | None = None) -> StepOutput:
+        """Prefill new rows (right-padded into one pass) and decide each row's first token.
+
+        `logprobs[i]`: None, or k (0..MAX_TOP_LOGPROBS) to get row i's log-probabilities in every
+        StepOutput (the emitted token's and the k most likely)."""
         if not prompts:
             return StepOutput([], torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), [])
         if len(prompts) > batch.free:
@@ -153,6 +184,9 @@ class Engine:
                 raise MedusaError(f"max_new_tokens must be positive, got {m}")
             if m > batch.out.shape[1] - 1:
                 raise MedusaError(f"max_new_tokens {m} exceeds this batch's limit {batch.out.shape[1] - 1}")
+        for k in logprobs or []:
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise MedusaError(f"top logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {k}")
         dev = self.model.device
         k, t = len(prompts), max(len(p) for p in prompts)
         rows = slice(batch.n, batch.n + k)
@@ -174,6 +208,9 @@ class Engine:
         batch.ids.extend(ids)
         batch.hidden[rows] = last
         batch.sampling.set(rows, sampling or [GREEDY] * k)
+        for i, top in zip(ids, logprobs or []):
+            if top is not None:
+                batch.logprobs[i] = top
         logits = self.model.lm_head(last)
         if batch.sampling.any_sampling(rows):
             p = batch.sampling.probs(logits[:, None], rows)[:, 0]
@@ -183,7 +220,11 @@ class Engine:
         batch.out_len[rows] = 0
         batch.max_new[rows] = torch.tensor(limits, device=dev)
         batch.stats.forward_passes += 1
-        return self._emit(batch, rows, batch.root[rows, None], torch.ones(k, dtype=torch.long, device=dev))
+        new = batch.root[rows, None]
+        lp = None
+        if batch.logprobs and any(i in batch.logprobs for i in ids):
+            lp = self._logprobs(logits[:, None], new, batch.logprobs_k())
+        return self._emit(batch, rows, new, torch.ones(k, dtype=torch.long, device=dev), lp)
 
     @torch.inference_mode()
     def step(self, batch: Batch, proposer: Proposer | None = None) -> StepOutput:
@@ -226,9 +267,25 @@ class Engine:
         batch.stats.steps += 1
         batch.stats.row_steps += n
         batch.stats.add_hist(accepted, tree.depth + 1)
-        return self._emit(batch, rows, new, accepted + 1)
+        lp = None
+        if batch.logprobs:  # the logits that decided each emitted token: those of the nodes on its path
+            at = verdict.path[:, : new.shape[1]]
+            lp = self._logprobs(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), new,
+                                batch.logprobs_k())
+        return self._emit(batch, rows, new, accepted + 1, lp)
 
-    def _emit(self, batch: Batch, rows: slice, new: torch.Tensor, count: torch.Tensor) -> StepOutput:
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, new: torch.Tensor, k: int) -> TokenLogprobs:
+        """logits [n, m, V] that decided tokens new [n, m] -> their log-probabilities and the top k."""
+        lp = torch.log_softmax(logits.float(), -1)
+        top = lp.topk(k, -1) if k else None
+        empty = lp.new_zeros(*new.shape, 0)
+        return TokenLogprobs(lp.gather(-1, new[..., None])[..., 0],
+                             top.indices if top is not None else empty.long(),
+                             top.values if top is not None else empty)
+
+    def _emit(self, batch: Batch, rows: slice, new: torch.Tensor, count: torch.Tensor,
+              logprobs: TokenLogprobs | None = None) -> StepOutput:
         """Append new tokens to each row's output, cut at EOS / max tokens, retire finished rows."""
         j = torch.arange(new.shape[1], device=new.device)
         is_eos = torch.isin(new, self.eos) & (j < count[:, None])
@@ -250,7 +307,7 @@ class Engine:
             finished = batch.remove([ids[r] for r in done])
             for f in finished:
                 f.reason = reason[f.id]
-        return StepOutput(ids, new, count, finished)
+        return StepOutput(ids, new, count, finished, logprobs)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, proposer: Proposer | None = None,
                  sampling: SamplingParams | list[SamplingParams] | None = None,

@@ -1,7 +1,9 @@
 """The HTTP layer: OpenAI-shaped endpoints over the scheduler.
 
 POST /v1/chat/completions, /v1/completions (JSON or SSE streaming), GET /v1/models, /health, /metrics.
-Every failure is answered as {"error": {"message", "type", "param", "code"}} with a 4xx/5xx status.
+Every failure is answered as {"error": {"message", "type", "param", "code"}} with a 4xx/5xx status. With
+an API key configured, /v1/* needs `Authorization: Bearer <key>` (401 otherwise); /health and /metrics stay
+open for monitors.
 
 Input is checked at the edge, before anything reaches the engine: body size (413), JSON syntax, nesting
 depth and text encoding, then the request model's types and bounds (400). Parsing, tokenisation and chat
@@ -13,8 +15,11 @@ exception text never reaches the client.
 from __future__ import annotations
 
 import asyncio
+import functools
+import hmac
 import json
 import logging
+import os
 import re
 import time
 import uuid
@@ -42,16 +47,21 @@ from medusa.tree import Tree, chain, load_tree
 from .config import ServeConfig
 from .metrics import Metrics
 from .policy import CostModel, Decision, SpeculationPolicy
-from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, torch_seed
-from .scheduler import Event, Overloaded, Request, Scheduler
+from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, choice_seed, torch_seed
+from .scheduler import Event, Overloaded, Request, Scheduler, TokenLogprob
 
 log = logging.getLogger("serve.app")
 POLL_S = 0.25  # how often a waiting handler checks whether its client is still connected
 MAX_JSON_DEPTH = 16  # the deepest valid body is 5 levels (messages -> message -> content -> part)
 MAX_PARAM_ECHO = 64  # characters of a client-chosen field name quoted back in an error
 UNCOUNTED = ("/health", "/metrics")  # polled by monitors: not requests whose outcome is of interest
-OUTCOME = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "too_large",
-           429: "queue_full", 499: "cancelled", 503: "unavailable"}
+OUTCOME = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+           413: "too_large", 429: "queue_full", 499: "cancelled", 503: "unavailable"}
+# A client's X-Request-Id is echoed (and used in response ids and the log) when it is this plain; anything
+# else is replaced by a generated id, so a header cannot inject text into logs or other headers.
+CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+PROTECTED = "/v1/"  # paths that need the API key when one is configured
+MIN_LOGPROB = -9999.0  # JSON has no -Infinity: a token the model rules out is reported at this floor
 
 
 class ApiError(Exception):
@@ -84,21 +94,40 @@ def new_request_id() -> str:
     return uuid.uuid4().hex[:24]
 
 
+def request_id_of(scope: Scope) -> str:
+    """The client's X-Request-Id when it is short and plain, else a new one."""
+    for name, value in scope.get("headers", []):
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            return text if CLIENT_REQUEST_ID.fullmatch(text) else new_request_id()
+    return new_request_id()
+
+
+def bearer_ok(scope: Scope, key: str) -> bool:
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            # Constant time: the comparison must not tell an attacker how much of a guess was right.
+            return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    return False
+
+
 class Guard:
-    """ASGI wrapper around the routes: gives each request an id (`X-Request-Id`), turns any exception that
+    """ASGI wrapper around the routes: gives each request an id (`X-Request-Id`: the client's, if it sent a
+    plain one, else a new one), checks the API key on /v1/* when one is set, turns any exception that
     escaped the handlers into an OpenAI-shaped 500 naming that id (the traceback goes to the log, not the
     client; and the connection stays usable, where the stock handler re-raises into the server), and
     counts every response by outcome."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: ASGIApp, metrics: Metrics, api_key: str | None = None):
+        self.app, self.metrics, self.api_key = app, metrics, api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         state = scope.setdefault("state", {})
-        rid = state["request_id"] = new_request_id()
+        rid = state["request_id"] = request_id_of(scope)
         status = 0
 
         async def tracked(message: Message) -> None:
@@ -109,7 +138,12 @@ class Guard:
             await send(message)
 
         try:
-            await self.app(scope, receive, tracked)
+            if self.api_key and scope["path"].startswith(PROTECTED) and not bearer_ok(scope, self.api_key):
+                body = error_body("missing or incorrect API key: send `Authorization: Bearer <key>`",
+                                  "invalid_request_error", None, "invalid_api_key")
+                await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, tracked)
+            else:
+                await self.app(scope, receive, tracked)
         except Exception:
             log.exception("request %s failed", rid)
             state["outcome"] = "server_error"
@@ -163,6 +197,7 @@ class Server:
     def __init__(self, cfg: ServeConfig, rt: Runtime, draft: Any = None):
         self.cfg, self.rt = cfg, rt
         self.name = served_name(cfg, rt)
+        self.api_key = cfg.api_key or os.environ.get("MEDUSA_API_KEY") or None
         self.metrics = Metrics()
         calibrated, planned = calibrated_policy(cfg, rt, draft)
         self.policy = SpeculationPolicy(cfg.policy, has_medusa=rt.heads is not None, has_draft=draft is not None,
@@ -218,8 +253,24 @@ class Server:
         text = p[0] if isinstance(p, list) else p
         return list(self.rt.tokenizer(text)["input_ids"])
 
+    @functools.lru_cache(maxsize=1 << 16)
+    def token_text(self, token: int) -> str:
+        """One token's text, as logprobs report it (cached: top-20 alternatives repeat a lot)."""
+        return self.rt.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def make_requests(self, prompt: list[int], body: Any, max_tokens: int | None, param: str,
+                      on_event: Any, tag: str = "") -> list[Request]:
+        """The request's `n` choices, each a batch row; `on_event(i)` is the callback of choice i. With a
+        seed, choice i samples with `choice_seed(seed, i)`."""
+        reqs = []
+        for i in range(body.n or 1):
+            req = self.make_request(prompt, body, max_tokens, param, on_event(i), tag, index=i)
+            req.logprobs = body.logprobs_k()
+            reqs.append(req)
+        return reqs
+
     def make_request(self, prompt: list[int], body: Any, max_tokens: int | None, param: str,
-                     on_event: Any, tag: str = "") -> Request:
+                     on_event: Any, tag: str = "", index: int = 0) -> Request:
         if not prompt:
             raise ApiError(400, "the prompt is empty", param)
         room = self.cfg.max_context - len(prompt)
@@ -235,7 +286,7 @@ class Server:
         try:
             sampling = SamplingParams(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0,
                                       top_k=body.top_k or 0,
-                                      seed=None if body.seed is None else torch_seed(body.seed))
+                                      seed=None if body.seed is None else torch_seed(choice_seed(body.seed, index)))
         except MedusaError as exc:
             raise ApiError(400, str(exc), "temperature") from None
         return Request(prompt, max_tokens, on_event, sampling, body.stop_list(), tag=tag)
@@ -362,8 +413,8 @@ class ClientWatch:
         self.http, self.events = http, events
         self.checked = time.monotonic()
 
-    async def next(self) -> Event | None:
-        """The next event, or None once the client has disconnected."""
+    async def next(self) -> tuple[int, Event] | None:
+        """The next (choice index, event), or None once the client has disconnected."""
         while True:
             # Checked on a clock, not only when idle: a busy request gets events every step.
             if time.monotonic() - self.checked >= POLL_S:
@@ -394,7 +445,7 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
     app = FastAPI(title="medusa", lifespan=lifespan, openapi_url="/openapi.json" if docs else None,
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
     app.state.server = server
-    app.add_middleware(Guard, metrics=server.metrics)
+    app.add_middleware(Guard, metrics=server.metrics, api_key=server.api_key)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
 
     @app.exception_handler(ApiError)
@@ -451,13 +502,15 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
     async def run(http: HttpRequest, body: Any, prompt: list[int], max_tokens: int | None, param: str,
                   chat: bool) -> Response:
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        shape = Shape(chat, server.name, len(prompt), http.state.request_id)
-        req = server.make_request(prompt, body, max_tokens, param,
-                                  lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                                  http.state.request_id)
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+        def on_event(i: int) -> Any:
+            return lambda ev: loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+
+        shape = Shape(server, chat, prompt, http.state.request_id, body)
+        reqs = server.make_requests(prompt, body, max_tokens, param, on_event, http.state.request_id)
         try:
-            server.scheduler.submit(req)
+            server.scheduler.submit(*reqs)
         except Overloaded:
             raise overloaded(429, "server overloaded: the request queue is full; retry later", "queue_full",
                              "rate_limit_error") from None
@@ -465,50 +518,65 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
         watch = ClientWatch(http, events)
         first = await watch.next()
         if first is None:
-            server.scheduler.cancel(req)
+            cancel_all(reqs)
             return Response(status_code=499)
-        if first.kind == "error":
-            raise failed(first)
+        if first[1].kind == "error":
+            cancel_all(reqs)
+            raise failed(first[1])
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(http, watch, req, first, shape, usage),
+            return StreamingResponse(stream(http, watch, reqs, first, shape, usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, ev = "", first
+        choices = [Choice() for _ in reqs]
+        item: tuple[int, Event] | None = first
         while True:
-            if ev is None:
-                server.scheduler.cancel(req)
+            if item is None:
+                cancel_all(reqs)
                 return Response(status_code=499)
+            i, ev = item
             if ev.kind == "error":
+                cancel_all(reqs)
                 raise failed(ev)
-            text += ev.text
-            if ev.kind == "done":
-                return JSONResponse(shape.full(text, ev))
-            ev = await watch.next()
+            choices[i].add(ev)
+            if all(c.finish_reason for c in choices):
+                return JSONResponse(shape.full(choices))
+            item = await watch.next()
 
-    async def stream(http: HttpRequest, watch: ClientWatch, req: Request, first: Event, shape: "Shape",
-                     usage: bool) -> AsyncIterator[str]:
+    def cancel_all(reqs: list[Request]) -> None:
+        for r in reqs:
+            server.scheduler.cancel(r)  # a no-op once finished; frees the row if the client left
+
+    async def stream(http: HttpRequest, watch: ClientWatch, reqs: list[Request], first: tuple[int, Event],
+                     shape: "Shape", usage: bool) -> AsyncIterator[str]:
         http.state.outcome = "cancelled"  # until the stream ends one way or the other
+        tokens = [0] * len(reqs)
+        finished = 0
         try:
             if shape.chat:
-                yield sse(shape.chunk({"role": "assistant", "content": ""}, None))
-            ev: Event | None = first
-            while ev is not None:
+                for i in range(len(reqs)):
+                    yield sse(shape.chunk(i, Event("delta"), role=True))
+            item: tuple[int, Event] | None = first
+            while item is not None:
+                i, ev = item
                 if ev.kind == "error":
                     http.state.outcome = outcome_of(ev.status, ev.code)
                     yield sse(error_body(ev.text, ev.error_type, None, ev.code))
                     break
-                if ev.text:
-                    yield sse(shape.chunk(ev.text, None))
+                tokens[i] = ev.tokens
+                if ev.text or (ev.token_ids and shape.per_token):
+                    yield sse(shape.chunk(i, ev))
                 if ev.kind == "done":
-                    yield sse(shape.chunk("", ev.finish_reason))
-                    if usage:
-                        yield sse(shape.usage_chunk(ev))
-                    yield "data: [DONE]\n\n"
-                    http.state.outcome = "ok"
-                    break
-                ev = await watch.next()
+                    yield sse(shape.chunk(i, Event("delta"), ev.finish_reason))
+                    finished += 1
+                    if finished == len(reqs):
+                        if usage:
+                            yield sse(shape.usage_chunk(sum(tokens)))
+                        yield "data: [DONE]\n\n"
+                        http.state.outcome = "ok"
+                        break
+                item = await watch.next()
         finally:
-            server.scheduler.cancel(req)  # a no-op once finished; frees the row if the client left
+            cancel_all(reqs)
 
     return app
 
@@ -540,40 +608,114 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-class Shape:
-    """Builds OpenAI response objects for one request (chat or text completion)."""
+class Choice:
+    """What a non-streaming response collects of one choice."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int, request_id: str):
-        self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
+    def __init__(self) -> None:
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.tokens = 0
+        self.finish_reason: str | None = None
+
+    def add(self, ev: Event) -> None:
+        self.text += ev.text
+        self.token_ids += ev.token_ids
+        self.logprobs += ev.logprobs or []
+        self.tokens = ev.tokens
+        if ev.kind == "done":
+            self.finish_reason = ev.finish_reason
+
+
+class Shape:
+    """Builds OpenAI response objects for one request (chat or text completion, `n` choices)."""
+
+    def __init__(self, server: Server, chat: bool, prompt: list[int], request_id: str, body: Any):
+        self.server, self.chat, self.model = server, chat, server.name
+        self.prompt, self.prompt_tokens = prompt, len(prompt)
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
+        self.want_logprobs = body.logprobs_k() is not None
+        self.token_ids = bool(body.return_token_ids)
+        self.as_ids = bool(body.return_tokens_as_token_ids)
+        self.per_token = self.want_logprobs or self.token_ids  # chunks carry per-token data
+        self.offsets: dict[int, int] = {}  # streamed completions: characters of text each choice has sent
+        self.sent_prompt: set[int] = set()
 
-    def usage(self, ev: Event) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": ev.tokens,
-                "total_tokens": self.prompt_tokens + ev.tokens}
+    def usage(self, completion_tokens: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
 
     def _head(self, suffix: str) -> dict:
         obj = "chat.completion" if self.chat else "text_completion"
         return {"id": self.id, "object": obj + suffix, "created": self.created, "model": self.model}
 
-    def full(self, text: str, ev: Event) -> dict:
+    # ---- logprobs in OpenAI's two shapes -------------------------------------------------------------
+    def _token(self, token: int) -> str:
+        return f"token_id:{token}" if self.as_ids else self.server.token_text(token)
+
+    def _chat_entry(self, token: int, logprob: float) -> dict:
+        text = self._token(token)
+        return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode("utf-8"))}
+
+    def _logprobs(self, entries: list[TokenLogprob], offset: int = 0) -> dict | None:
+        if not self.want_logprobs:
+            return None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": ev.finish_reason}
+            return {"content": [{**self._chat_entry(t, lp), "top_logprobs": [self._chat_entry(a, b) for a, b in top]}
+                                for t, lp, top in entries], "refusal": None}
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, lp, top in entries:
+            text = self._token(t)
+            alternatives = {self._token(a): max(b, MIN_LOGPROB) for a, b in top}
+            alternatives.setdefault(text, max(lp, MIN_LOGPROB))  # the chosen token is always listed
+            out["tokens"].append(text)
+            out["token_logprobs"].append(max(lp, MIN_LOGPROB))
+            out["top_logprobs"].append(alternatives)
+            out["text_offset"].append(offset)
+            offset += len(self.server.token_text(t))
+        return out
+
+    # ---- whole responses and stream chunks -----------------------------------------------------------
+    def full(self, choices: list[Choice]) -> dict:
+        out = []
+        for i, c in enumerate(choices):
+            lp = self._logprobs(c.logprobs)
+            if self.chat:
+                choice = {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                          "finish_reason": c.finish_reason}
+            else:
+                choice = {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+                if self.token_ids:
+                    choice["prompt_token_ids"] = self.prompt
+            if self.token_ids:
+                choice["token_ids"] = c.token_ids
+            out.append(choice)
+        body = {**self._head(""), "choices": out, "usage": self.usage(sum(c.tokens for c in choices))}
+        if self.token_ids and self.chat:
+            body["prompt_token_ids"] = self.prompt
+        return body
+
+    def chunk(self, index: int, ev: Event, finish: str | None = None, role: bool = False) -> dict:
+        if self.chat:
+            delta: dict = {"role": "assistant", "content": ""} if role else ({"content": ev.text} if ev.text else {})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
-        return {**self._head(""), "choices": [choice], "usage": self.usage(ev)}
+            choice = {"index": index, "text": ev.text, "logprobs": None, "finish_reason": finish}
+        if ev.token_ids:
+            offset = self.offsets.get(index, 0)
+            choice["logprobs"] = self._logprobs(ev.logprobs or [], offset)
+            self.offsets[index] = offset + len(ev.text)
+            if self.token_ids:
+                choice["token_ids"] = ev.token_ids
+        body = {**self._head(".chunk" if self.chat else ""), "choices": [choice]}
+        if self.token_ids and index not in self.sent_prompt and (role or not self.chat):
+            self.sent_prompt.add(index)  # the prompt's ids once, in the choice's first chunk
+            (body if self.chat else choice)["prompt_token_ids"] = self.prompt
+        return body
 
-    def chunk(self, delta: str | dict, finish: str | None) -> dict:
-        if self.chat:
-            d = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
-            return {**self._head(".chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
-        return {**self._head(""), "choices": [choice]}
-
-    def usage_chunk(self, ev: Event) -> dict:
-        return {**self._head(".chunk" if self.chat else ""), "choices": [], "usage": self.usage(ev)}
+    def usage_chunk(self, completion_tokens: int) -> dict:
+        return {**self._head(".chunk" if self.chat else ""), "choices": [], "usage": self.usage(completion_tokens)}
 
 
 def load_draft(cfg: ServeConfig, rt: Runtime) -> Any:

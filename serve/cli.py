@@ -22,6 +22,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="engine CPU threads (default: cores - 1)")
     p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
+    p.add_argument("--max-model-len", "--max-context", dest="max_context", type=int, default=None,
+                   help="prompt + completion tokens per request (config max_context, default 2048)")
+    p.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, default=None,
+                   help="rows decoded together (config max_batch, default 32)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: "
+                   "$MEDUSA_API_KEY if set); /health and /metrics stay open")
     p.add_argument("--policy", default=None, choices=["dynamic", "medusa", "draft", "plain"],
                    help="speculation policy (default dynamic)")
     p.add_argument("--cost-model", default=None, help="evaluator cost-model JSON for the dynamic policy")
@@ -31,7 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    keys = ("model", "heads", "draft", "dtype", "device", "threads", "host", "port", "docs")
+    keys = ("model", "heads", "draft", "dtype", "device", "threads", "host", "port", "docs", "served_model_name",
+            "max_context", "max_batch", "api_key")
     cfg = load_config(args.config, {k: getattr(args, k) for k in keys})
     if args.policy or args.cost_model:
         policy = cfg.policy.model_dump()

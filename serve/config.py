@@ -78,6 +78,9 @@ class ServeConfig(BaseModel):
     # Largest request body accepted (bytes); larger ones get 413 before they are read. 1 MiB holds any
     # prompt that fits a 2048-token context many times over.
     max_body_bytes: int = Field(1 << 20, ge=1024)
+    # Clients must send `Authorization: Bearer <api_key>` on /v1/* (401 otherwise); /health and /metrics stay
+    # open. Unset: the MEDUSA_API_KEY environment variable, if set, is the key; else no key is needed.
+    api_key: str | None = Field(None, min_length=1)
     # Serve the OpenAPI schema and its pages (/openapi.json, /docs, /redoc); off so a public server does
     # not advertise itself.
     docs: bool = False

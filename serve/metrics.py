@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 FAILURE_STAGES = ("prefill", "row", "proposer", "engine")
-OUTCOMES = ("ok", "cancelled", "bad_request", "not_found", "method_not_allowed", "too_large", "queue_full",
+OUTCOMES = ("ok", "cancelled", "bad_request", "unauthorized", "not_found", "method_not_allowed", "too_large", "queue_full",
             "queue_timeout", "unavailable", "server_error")
 
 
@@ -20,7 +20,7 @@ class Metrics:
         self.rejected = Counter("medusa_requests_rejected", "Requests refused by cause", ["cause"],
                                 registry=r)
         self.responses = Counter("medusa_responses", "HTTP requests by outcome: ok, cancelled, or the error "
-                                 "kind (bad_request, not_found, method_not_allowed, too_large, queue_full, "
+                                 "kind (bad_request, unauthorized, not_found, method_not_allowed, too_large, queue_full, "
                                  "queue_timeout, unavailable, server_error)", ["outcome"], registry=r)
         self.failures = Counter("medusa_failures", "Internal failures by stage: prefill, row (tokens of one "
                                 "request), proposer (step redone without speculation), engine (batch failed)",
@@ -46,14 +46,65 @@ class Metrics:
                                   ["state"], registry=r)
         self.step_seconds = Histogram("medusa_step_seconds", "Duration of one decode step",
                                       buckets=LATENCY_BUCKETS, registry=r)
+        # Speculation outcome as counters, so rate() over any window gives tau and the acceptance rate:
+        # tau = 1 + rate(accepted) / rate(row_steps); acceptance = rate(accepted) / rate(depth).
+        self.spec_row_steps = Counter("medusa_speculative_row_steps", "Rows verified in speculative steps",
+                                      registry=r)
+        self.spec_accepted = Counter("medusa_accepted_tokens",
+                                     "Candidates accepted and emitted in speculative steps", registry=r)
+        self.spec_depth = Counter("medusa_proposed_depth_tokens",
+                                  "Rows x proposal depth (the most a row could accept) in speculative steps",
+                                  registry=r)
         self.accepted = Gauge("medusa_mean_accepted_tokens",
-                              "Tokens per row per speculative step (tau), mean since start",
-                              registry=r)
+                              "Tokens per row per speculative step (tau), since start", registry=r)
         self.acceptance = Gauge("medusa_acceptance_rate",
-                                "Accepted candidates / proposed depth over speculative steps", registry=r)
+                                "Accepted candidates / proposal depth, since start (rate() of "
+                                "medusa_accepted_tokens_total / medusa_proposed_depth_tokens_total for a window)",
+                                registry=r)
+        # vLLM's names for the same quantities, so dashboards built for vLLM read this server unchanged.
+        # A draft is one row's proposal in one step; its draft tokens are the candidates verified (the tree's
+        # nodes, for a chain its length); position p counts drafts that accepted more than p tokens.
+        self.vllm_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", registry=r)
+        self.vllm_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                         registry=r)
+        self.vllm_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                     registry=r)
+        self.vllm_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.", ["position"], registry=r)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in "
+                                   "seconds.", buckets=LATENCY_BUCKETS, registry=r)
+        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
+                                  "seconds (between a request's successive token deliveries).",
+                                  buckets=LATENCY_BUCKETS, registry=r)
+        self._row_steps = self._accepted_sum = self._depth_sum = 0
         self.spec_on = Gauge("medusa_speculation_on", "1 when the last step speculated", registry=r)
         self.mode_info = Gauge("medusa_speculation_mode", "1 for the mode of the last step", ["mode"],
                                registry=r)
+
+    def observe_drafts(self, accepted: list[int], draft_tokens: int, depth: int) -> None:
+        """One speculative step: `accepted[r]` candidates emitted by row r, each row's proposal having
+        `draft_tokens` candidates at most `depth` deep."""
+        rows, total = len(accepted), sum(accepted)
+        self.spec_row_steps.inc(rows)
+        self.spec_accepted.inc(total)
+        self.spec_depth.inc(rows * depth)
+        self.vllm_drafts.inc(rows)
+        self.vllm_draft_tokens.inc(rows * draft_tokens)
+        self.vllm_accepted.inc(total)
+        for p in range(depth):
+            self.vllm_per_pos.labels(str(p)).inc(sum(1 for a in accepted if a > p))
+        self._row_steps += rows
+        self._accepted_sum += total
+        self._depth_sum += rows * depth
+        self.accepted.set(1 + self._accepted_sum / self._row_steps)
+        self.acceptance.set(self._accepted_sum / max(self._depth_sum, 1))
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.vllm_ttft.observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.vllm_itl.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -40,6 +40,10 @@ DRAIN_WINDOW_S = 30.0  # completions over this window give the drain rate behind
 RETRY_AFTER_MAX_S = 120
 
 
+# One emitted token's log-probability and the top alternatives [(token id, log-probability), ...].
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
+
+
 @dataclass
 class Event:
     kind: str  # "delta" (new text), "done" (finished), "error"
@@ -49,6 +53,8 @@ class Event:
     status: int = 200
     error_type: str = ""
     code: str | None = None
+    token_ids: list[int] = field(default_factory=list)  # the tokens since the previous event
+    logprobs: list[TokenLogprob] | None = None  # theirs, when the request asked for log-probabilities
 
 
 @dataclass
@@ -68,6 +74,9 @@ class Request:
     cancelled: bool = False
     done: bool = False
     tag: str = ""  # the id the client sees (response id), quoted in error messages and the log
+    logprobs: int | None = None  # None, or how many top alternatives to report per token (0..20)
+    unsent: int = 0  # tokens not yet handed out with an event (their text may be held back)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Overloaded(Exception):
@@ -93,7 +102,6 @@ class Scheduler:
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.steps = 0
-        self.tau_sum, self.tau_steps = 0.0, 0
         self.started_at = time.monotonic()
         self.completions: deque[float] = deque(maxlen=4096)  # monotonic times rows were freed
         self.fault: str | None = None  # set while the engine is unhealthy: what failed
@@ -113,13 +121,14 @@ class Scheduler:
         if self.thread is not None:
             self.thread.join(timeout=30)
 
-    def submit(self, req: Request) -> None:
+    def submit(self, *reqs: Request) -> None:
+        """Queue requests (the choices of one HTTP request): all of them, or none when they do not fit."""
         with self.cond:
             free_rows = self.max_batch - len(self.running)
-            if len(self.queue) >= self.max_queue + max(free_rows, 0):
+            if len(self.queue) + len(reqs) > self.max_queue + max(free_rows, 0):
                 self.metrics.rejected.labels("queue_full").inc()
                 raise Overloaded()
-            self.queue.append(req)
+            self.queue.extend(reqs)
             self.metrics.queued.set(len(self.queue))
             self.cond.notify_all()
 
@@ -234,10 +243,12 @@ class Scheduler:
             self.running[r.id] = r
         try:
             return self.engine.add(self.batch, [r.id for r in reqs], [r.prompt for r in reqs],
-                                   [r.max_tokens for r in reqs], sampling=[r.sampling for r in reqs])
+                                   [r.max_tokens for r in reqs], sampling=[r.sampling for r in reqs],
+                                   logprobs=[r.logprobs for r in reqs])
         except BaseException:
             for r in reqs:
                 self.running.pop(r.id, None)
+                self.batch.logprobs.pop(r.id, None)
             # New rows go after the first n0, and only they can finish inside `add`: rows below n0 are
             # untouched, so cutting the batch back to n0 rows undoes the failed admission.
             del self.batch.ids[n0:]
@@ -260,8 +271,10 @@ class Scheduler:
         proposer = self.proposer_for(decision)
         if proposer is None and decision.mode != "plain":
             decision = Decision("plain", None, f"{decision.mode} unavailable")
-        stats = self.batch.stats
-        hist0, rows0, steps0 = list(stats.accept_hist), stats.row_steps, stats.steps
+        if proposer is not None and self.batch.logprobs and getattr(proposer, "owns_step", False):
+            # Proposers that run their own step do not report log-probabilities; plain decoding does.
+            decision, proposer = Decision("plain", None, "log-probabilities asked for"), None
+        steps0 = self.batch.stats.steps
         n = self.batch.n
         start = time.perf_counter()
         try:
@@ -282,7 +295,7 @@ class Scheduler:
         self.metrics.spec_on.set(1 if spec else 0)
         for m in ("medusa", "draft", "plain"):
             self.metrics.mode_info.labels(m).set(1 if m == decision.mode else 0)
-        tau = self._acceptance(proposer, hist0, rows0) if spec else 1.0
+        tau = self._acceptance(proposer, out) if spec else 1.0
         self.policy.observe(decision, n, tau, seconds)
         log.debug("step %d: %s%s rows=%d tau=%.2f %.1f ms", self.steps, decision.mode,
                   f" {decision.tree}" if decision.tree else "", n, tau, 1000 * seconds)
@@ -297,24 +310,24 @@ class Scheduler:
                   decision.mode, n, type(exc).__name__, exc, exc_info=exc if n & (n - 1) == 0 else None)
         return Decision("plain", None, f"{decision.mode} failed"), None
 
-    def _acceptance(self, proposer: Any, hist0: list[int], rows0: int) -> float:
-        """Tokens per row of the step just taken (tau); updates the acceptance metrics."""
-        hist = self.batch.stats.accept_hist
-        delta = [c - (hist0[a] if a < len(hist0) else 0) for a, c in enumerate(hist)]
-        rows = max(self.batch.stats.row_steps - rows0, 1)
-        accepted = sum(a * c for a, c in enumerate(delta))
-        tau = 1 + accepted / rows
-        self.tau_sum += tau
-        self.tau_steps += 1
-        self.metrics.accepted.set(self.tau_sum / self.tau_steps)
-        self.metrics.acceptance.set(accepted / (rows * max(proposer.tree.depth, 1)))
-        return tau
+    def _acceptance(self, proposer: Any, out: StepOutput) -> float:
+        """Tokens per row of the speculative step just taken (tau); updates the acceptance metrics.
+
+        Read from the step's own per-row counts: a row emitted its target token plus `count - 1`
+        accepted candidates (a row cut at EOS or max_tokens counts what it emitted)."""
+        accepted = (out.counts - 1).clamp(min=0).tolist()
+        rows = max(len(accepted), 1)
+        self.metrics.observe_drafts(accepted, proposer.tree.size - 1, proposer.tree.depth)
+        return 1 + sum(accepted) / rows
 
     # ---- results ------------------------------------------------------------------------------------
     def _deliver(self, out: StepOutput) -> None:
         now = time.perf_counter()
         finished = {f.id: f.reason for f in out.finished}
         counts = out.counts.tolist()
+        lp = out.logprobs
+        if lp is not None:  # one conversion per step, only when some row asked
+            lp_token, lp_ids, lp_top = lp.token.tolist(), lp.top_ids.tolist(), lp.top.tolist()
         stopped: list[Request] = []
         broken: list[tuple[Request, Exception]] = []
         for i, rid in enumerate(out.ids):
@@ -322,7 +335,13 @@ class Scheduler:
             if req is None:
                 continue
             try:  # a try costs nothing until it catches: no per-row price on the hot path
-                if self._take(req, out.tokens[i, : counts[i]].tolist(), now, rid in finished):
+                new = out.tokens[i, : counts[i]].tolist()
+                if req.logprobs is not None and lp is not None:
+                    k = req.logprobs
+                    req.token_logprobs.extend(
+                        (t, lp_token[i][j], list(zip(lp_ids[i][j][:k], lp_top[i][j][:k])))
+                        for j, t in enumerate(new))
+                if self._take(req, new, now, rid in finished):
                     stopped.append(req)
                 elif rid in finished:
                     del self.running[rid]
@@ -342,7 +361,9 @@ class Scheduler:
         if new:
             if req.first_token_at is None:
                 req.first_token_at = now
-                self.metrics.ttft.observe(now - req.arrival)
+                self.metrics.observe_first_token(now - req.arrival)
+            else:
+                self.metrics.observe_inter_token(now - req.last_token_at)
             req.last_token_at = now
             req.tokens.extend(new)
             self.metrics.tokens.inc(len(new))
@@ -378,9 +399,16 @@ class Scheduler:
                 safe -= 1
         req.text = text
         if safe > req.sent:
-            req.on_event(Event("delta", text[req.sent: safe], len(req.tokens)))
+            req.on_event(Event("delta", text[req.sent: safe], len(req.tokens), **self._unsent(req)))
             req.sent = safe
         return hit
+
+    @staticmethod
+    def _unsent(req: Request) -> dict[str, Any]:
+        """The tokens (and their log-probabilities) not yet handed out: they go with the next event."""
+        start, req.unsent = req.unsent, len(req.tokens)
+        lp = req.token_logprobs[start:] if req.logprobs is not None else None
+        return {"token_ids": req.tokens[start:], "logprobs": lp}
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.done:
@@ -393,7 +421,7 @@ class Scheduler:
         if reason != "cancelled":
             tail = req.text[req.sent:]
             req.sent = len(req.text)
-            req.on_event(Event("done", tail, len(req.tokens), finish_reason=reason))
+            req.on_event(Event("done", tail, len(req.tokens), finish_reason=reason, **self._unsent(req)))
 
     def _error(self, req: Request, status: int, message: str, error_type: str, code: str | None) -> None:
         if req.done:

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from medusa.sampling import SamplingParams
 from serve.app import create_app
@@ -253,3 +254,39 @@ def test_retry_after_follows_the_drain_rate(rt):
     sched.completions.clear()
     sched.completions.extend([now - 60] * 100)  # outside the window: forgotten
     assert sched.retry_after() == 120
+
+
+@pytest.mark.parametrize("mode", ["plain", "medusa"])
+def test_requests_joining_a_running_batch_get_their_solo_tokens(rt, tokenizer, mode):
+    """Rows prefilled into a batch that is already decoding (at different step boundaries, with prompts of
+    different lengths) produce exactly the tokens, and the same first-token distribution, as alone."""
+    long_prompt, joiners = "Once upon a time there was", ["The sea is", "Numbers: one two three four five"]
+    want = {p: rt.engine.generate([tokenizer(p)["input_ids"]], 30).outputs[0].tokens
+            for p in [long_prompt, *joiners]}
+    policy = {"mode": mode, "trees": {1: "tree-16"}} if mode == "medusa" else {"mode": "plain"}
+    app = app_for(rt, policy=policy)
+    sched = app.state.server.scheduler
+    with running_server(app):
+        first = Collector()
+        runner = Request(tokenizer(long_prompt)["input_ids"], 30, first, tag="runner")
+        sched.submit(runner)
+        jobs = []
+        for i, p in enumerate(joiners):
+            got = Collector()
+            req = Request(tokenizer(p)["input_ids"], 30 - 8 * (i + 1), got, tag=f"join{i}")
+            req.logprobs = 3
+            # Join once the runner has decoded a few tokens (and the previous joiner is in the batch).
+            assert _wait(lambda: len(runner.tokens) >= 4 + 6 * i and not runner.done, timeout=30)
+            sched.submit(req)
+            jobs.append((p, req, got))
+        assert first.result().finish_reason == "length" and runner.tokens == want[long_prompt]
+        for p, req, got in jobs:
+            assert got.result().finish_reason == "length"
+            assert req.tokens == want[p][: req.max_tokens]
+            ids = tokenizer(p)["input_ids"]
+            with torch.no_grad():
+                logits = rt.hf_model(torch.tensor([ids])).logits[0, -1].float()
+            ref = torch.log_softmax(logits, -1)
+            token, lp, top = req.token_logprobs[0]
+            assert token == want[p][0] and abs(lp - float(ref[token])) < 1e-4
+            assert [t for t, _ in top] == ref.topk(3).indices.tolist()
