@@ -88,3 +88,43 @@ def test_cli_heads_for_another_model(embedded, tmp_path, capsys):
     rc = main(["generate", "--prompt", "hi", "--heads", str(tmp_path), "--dtype", "fp32"])
     err = capsys.readouterr().err
     assert rc == 2 and "hidden size 128" in err
+
+
+def test_auto_mode_plans_from_the_shipped_heads_and_decodes_losslessly(embedded, tmp_path, monkeypatch):
+    """Auto mode on the real model: calibrates (a short sweep, into a temporary file), predicts from the
+    shipped heads' eval.json, and, whatever it picks per step, gives plain decoding's tokens (fp32)."""
+    from medusa import calibrate
+
+    monkeypatch.setattr(calibrate, "TOKENS", [1, 2, 4, 8, 16])
+    monkeypatch.setattr(calibrate, "REPEATS", 2)
+    monkeypatch.setattr(calibrate, "calibration_path", lambda key: tmp_path / "curve.json")
+    rt = embedded
+    if rt.heads is None:
+        pytest.skip("no shipped heads for the embedded model")
+    auto = rt.auto(2, progress=False)
+    assert auto is not None and auto.predicted
+    plan = auto.plan(1)
+    assert plan.reason and (plan.tree is None or plan.speedup >= 1.05)
+    assert json.loads((tmp_path / "curve.json").read_text())["key"]["dtype"] == "fp32"
+    prompts = rt.encode(PROMPTS[:2])
+    plain = rt.engine.generate(prompts, 32)
+    mixed = rt.engine.generate(prompts, 32, policy=auto)
+    assert [o.tokens for o in mixed.outputs] == [o.tokens for o in plain.outputs]
+    assert sum(auto.steps.values()) == mixed.stats.steps
+
+
+def test_generate_auto_json_reports_machine_dtype_and_plan(embedded, capsys, tmp_path, monkeypatch):
+    from medusa import calibrate
+
+    monkeypatch.setattr(calibrate, "TOKENS", [1, 2, 4, 8, 16])
+    monkeypatch.setattr(calibrate, "REPEATS", 2)
+    monkeypatch.setattr(calibrate, "calibration_path", lambda key: tmp_path / "curve.json")
+    assert main(["generate", "--prompt", "Name a color.", "--max-new-tokens", "8", "--dtype", "float32",
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    stats = json.loads(captured.out)["stats"]
+    assert stats["mode"] == "auto" and stats["dtype"] == "fp32"
+    assert stats["auto"]["machine"]["device"] == "cpu" and stats["auto"]["plan"]["batch_size"] == 1
+    assert "auto mode on" in captured.err
+    assert main(["generate", "--prompt", "x", "--tree", "tree-16"]) == 2
+    assert "--tree" in capsys.readouterr().err
