@@ -6,15 +6,15 @@ extra tree tokens cost real time, and plain decoding wins. Two signals decide:
 
 - load (running rows + queued requests) against high/low watermarks, with hysteresis so the mode does not
   flap when load hovers at one level; defaults may come from the evaluator's cost model;
-- an acceptance gate per batch-size bucket (1, 2, 3-4, 5-8, ...): speculation pays when the tokens per
-  row-step it yields (tau) exceed the cost of its step relative to a plain one. The policy times every
-  step and keeps, per bucket, the median of recent speculative and plain step times; when the rolling
-  mean tau over the last `window` speculative steps (judged from 4 on) is, by two standard errors, below
-  max(min_tau, t_spec / t_plain), speculation pauses in that bucket for `retry_after_steps` steps
-  (doubling after each consecutive failure, up to 16x) and is then tried again; the pause holds for larger
-  buckets too. A new bucket starts with one plain step to measure the cost to beat. So a poorly predicted
-  workload, or a batch size past the crossover the watermarks did not catch, falls back to plain
-  decoding by measurement.
+- the acceptance gate (`medusa.gate`, shared with `--mode auto`), per batch-size bucket: speculation pays
+  when the tokens per row-step it yields (tau) exceed the measured cost of its step relative to a plain
+  one; when it measurably does not, speculation pauses in that bucket (and larger ones) and is retried
+  later with back-off. So a poorly predicted workload, or a batch size past the crossover the watermarks
+  did not catch, falls back to plain decoding by measurement.
+
+Defaults for the watermarks and trees come, in this order, from a cost-model file (`cost_model`), from
+this machine's calibrated pass-cost curve and the heads' eval.json (`calibrate: true`, the plans of
+`--mode auto`), or from the config's own keys.
 
 Cost-model JSON read here (written by `medusa eval`, alone or as the "cost_model" key of its report.json;
 other keys are ignored):
