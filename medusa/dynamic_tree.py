@@ -287,6 +287,11 @@ def tree_step(engine: "Engine", batch: "Batch", proposer: TreeProposer) -> "Step
     batch.stats.steps += 1
     batch.stats.row_steps += n
     batch.stats.add_hist(accepted, proposer.tree.depth + 1)
+    if getattr(batch, "logprobs", None):  # the logits that decided each emitted token: its path's nodes
+        at = verdict.path[:, : new.shape[1]]
+        lp = engine._logprobs(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), new,
+                              batch.logprobs_k())
+        return engine._emit(batch, rows, new, accepted + 1, lp)
     return engine._emit(batch, rows, new, accepted + 1)
 
 

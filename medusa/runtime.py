@@ -23,6 +23,7 @@ from .tree import DEFAULT_TREE, Tree, load_tree
 
 if TYPE_CHECKING:
     from .auto import AutoSpeculation
+    from .feature_heads import FeatureHead
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Runtime:
     engine: Engine
     heads: MedusaHeads | None
     dtype: DtypeChoice | None = None  # None: the dtype the model was built in
+    feature: "FeatureHead | None" = None  # feature heads (EAGLE-style) when --heads names them
 
     def __post_init__(self) -> None:
         if self.dtype is None:
@@ -45,8 +47,11 @@ class Runtime:
         choice = resolve_dtype(dtype, device, announce=True)
         hf_model, tokenizer = load_target(model, choice.torch, device)
         transformer = Transformer(hf_model)
+        from .feature_runtime import resolve_feature
+
+        feature = resolve_feature(heads, hf_model)
         return cls(hf_model, tokenizer, transformer, Engine(transformer, eos_ids(hf_model, tokenizer)),
-                   load_heads(heads, hf_model), choice)
+                   load_heads(heads, hf_model) if feature is None else None, choice, feature)
 
     @property
     def machine(self) -> Machine:
@@ -59,6 +64,10 @@ class Runtime:
         from .calibrate import load_or_measure
         from .gate import bucket
 
+        if self.feature is not None:
+            from .feature_runtime import feature_auto
+
+            return feature_auto(self, batch_size, progress)
         if self.heads is None:
             return None
         cal = load_or_measure(self, [1 << i for i in range(bucket(batch_size).bit_length())], progress=progress)
@@ -79,6 +88,10 @@ class Runtime:
     def proposer(self, mode: str, tree: str | Tree | None = None) -> Proposer | None:
         if mode == "plain":
             return None
+        if mode == "medusa" and self.feature is not None:
+            from .feature_runtime import feature_proposer
+
+            return feature_proposer(self, None if isinstance(tree, Tree) else tree)
         if mode == "medusa":
             # Names resolve against the heads' own trees first, so trained heads get the trees built for them.
             heads_dir = self.heads.directory if self.heads is not None else None

@@ -320,3 +320,33 @@ def test_shipped_feature_config_validates():
 
     for path in sorted((Path(__file__).resolve().parent.parent / "configs" / "feature").glob("*.yaml")):
         load_feature_config(path)
+
+
+# ---- the runtime ------------------------------------------------------------------------------------
+
+
+def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, monkeypatch):
+    from medusa.runtime import Runtime
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    _, model_dir, _ = tiny_run
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    head = random_head(model, draft_ids=torch.arange(40))
+    head.save(tmp_path / "head")
+    (tmp_path / "head" / "eval.json").write_text(json.dumps({"rank_accuracy": [[0.6, 0.1], [0.5, 0.1], [0.4]]}))
+    rt = Runtime.load(str(model_dir), heads=str(tmp_path / "head"), dtype="fp32", device="cpu")
+    assert rt.feature is not None and rt.heads is None
+    prompts = mixed_prompts(2, vocab=97, seed=5)
+    plain = rt.engine.generate(prompts, 12)
+    named = rt.proposer("medusa", "dynamic-8x3")
+    assert named.shape == TreeShape(8, 3, 4)
+    spec = rt.engine.generate(prompts, 12, named)
+    assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
+    auto = rt.auto(2, progress=False)
+    plan = auto.plan(1)
+    assert plan.tree is None or plan.tree.name.startswith("dynamic-")
+    gen = rt.engine.generate(prompts, 12, None, policy=auto)
+    assert [o.tokens for o in gen.outputs] == [o.tokens for o in plain.outputs]
+    with pytest.raises(MedusaError, match="dynamic"):
+        rt.proposer("medusa", "tree-8")
