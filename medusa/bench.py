@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
+    p.add_argument("--feature", default="auto", help="feature heads (EAGLE-style) timed beside Medusa: a "
+                   "directory, 'none', or 'auto' (the shipped ones, when there are any)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.set_defaults(func=run)
 
@@ -71,13 +73,16 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     rt = Runtime.load(args.model, args.heads, args.dtype, args.device)
-    if rt.heads is None:
+    if rt.heads is None and rt.feature is None:
         # Untrained heads (zero blocks) cost exactly what trained ones cost; only tau is meaningless.
         print("note: no heads for this model, Medusa runs with untrained heads (speed only, tau meaningless)")
         rt.heads = MedusaHeads(HeadsConfig(rt.hf_model.config.hidden_size,
                                            rt.hf_model.get_output_embeddings().weight.shape[0])).attach(rt.hf_model)
     trees = args.tree.split(",") if args.tree else [None]
     fixed = {f"medusa:{p.tree.name}": p for p in (rt.proposer("medusa", t) for t in trees)}
+    from .feature_runtime import bench_methods
+
+    fixed.update(bench_methods(rt, args.feature))
     prompts = rt.encode(load_prompts(args.prompts, args.num_prompts))
     rt.auto(1)  # calibrate (once per machine) before anything is timed
     n_new = args.max_new_tokens

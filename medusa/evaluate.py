@@ -28,7 +28,7 @@ from .hardware import DTYPE_CHOICES, check_dtype_spelling
 from .sampling import SamplingParams
 from .tree import DEFAULT_TREE
 
-OURS = ("plain", "medusa", "draft", "lookup")
+OURS = ("plain", "medusa", "draft", "lookup", "feature")
 HF = ("hf", "hf_assisted", "hf_lookup")
 BATCH_ONE_ONLY = ("hf_assisted", "hf_lookup")  # HF runs these for batch size 1 only
 
@@ -38,17 +38,20 @@ BATCH_ONE_ONLY = ("hf_assisted", "hf_lookup")  # HF runs these for batch size 1 
 
 class MethodSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    method: Literal["plain", "medusa", "draft", "lookup", "hf", "hf_assisted", "hf_lookup"]
+    method: Literal["plain", "medusa", "draft", "lookup", "feature", "hf", "hf_assisted", "hf_lookup"]
     label: str | None = None
     tree: str | None = None           # medusa: tree file or shipped name
     draft: str | None = None          # draft / hf_assisted: see medusa.draft.load_draft
     k: int | None = Field(default=None, ge=1, le=64)  # draft chain length / lookup tokens
     max_ngram: int = Field(default=3, ge=1)
+    heads: str | None = None          # feature: feature heads directory (default: the shipped ones)
 
     @property
     def name(self) -> str:
         if self.label:
             return self.label
+        if self.method == "feature":  # tree: dynamic-N[xD[xK]], or None for the planned size
+            return f"feature:{self.tree or 'planned'}"
         if self.method == "medusa":
             return f"medusa:{Path(self.tree or DEFAULT_TREE).stem}"
         return self.method
@@ -257,6 +260,10 @@ class Methods:
             p = None
         elif m.method == "medusa":
             p = self.rt.proposer("medusa", m.tree)
+        elif m.method == "feature":
+            from .feature_runtime import method_proposer
+
+            p = method_proposer(self.rt, m.heads, m.tree)
         elif m.method == "draft":
             from .draft import DraftProposer, load_draft
 

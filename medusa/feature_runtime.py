@@ -128,3 +128,30 @@ def feature_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "Auto
     auto = AutoSpeculation(planner.plan, planner.make, 65)  # the largest planned tree: 64 nodes + the root
     auto.shape_for = lambda rows: planner.shapes.get(getattr(planner.plan(rows).tree, "name", ""))
     return auto
+
+
+def method_proposer(rt: "Runtime", heads: str | None, tree: str | None) -> FeatureProposer:
+    """The evaluator's and the benchmark's `feature` method: feature heads from `heads` (default: the
+    runtime's own when it loaded feature heads, else the shipped ones) beside whatever else runs."""
+    from dataclasses import replace
+
+    if heads is None and rt.feature is not None:
+        head = rt.feature
+    else:
+        head = resolve_feature(heads or "feature", rt.hf_model)
+        if head is None:
+            raise MedusaError(f"feature method: {heads} holds no feature heads")
+    return feature_proposer(replace(rt, feature=head), tree)
+
+
+def bench_methods(rt: "Runtime", spec: str) -> dict[str, FeatureProposer]:
+    """`medusa bench --feature`: {'feature:<tree>': proposer} for the named (or shipped) feature heads at
+    their planned tree size for batch size 1; nothing for 'none' or when there are none to time."""
+    if spec == "none" or rt.feature is not None:
+        return {}  # feature heads loaded with --heads already run as the main speculative method
+    if spec == "auto":
+        if not (SHIPPED_FEATURE_DIR / "heads.json").is_file():
+            return {}
+        spec = "feature"
+    proposer = method_proposer(rt, spec, None)
+    return {f"feature:{proposer.tree.name}": proposer}

@@ -350,3 +350,12 @@ def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, 
     assert [o.tokens for o in gen.outputs] == [o.tokens for o in plain.outputs]
     with pytest.raises(MedusaError, match="dynamic"):
         rt.proposer("medusa", "tree-8")
+    # The evaluator's `feature` method, beside a runtime without heads.
+    from medusa.evaluate import EvalConfig, Methods
+
+    bare = Runtime.load(str(model_dir), heads="none", dtype="fp32", device="cpu")
+    cfg = EvalConfig(methods=[{"method": "feature", "heads": str(tmp_path / "head"), "tree": "dynamic-6x3"}])
+    m = cfg.methods[-1]
+    assert m.name == "feature:dynamic-6x3"
+    proposer = Methods(bare, cfg).proposer(m)
+    assert isinstance(proposer, FeatureProposer) and proposer.shape == TreeShape(6, 3, 4)

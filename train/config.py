@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from medusa.config import read_yaml, validate
 from medusa.errors import MedusaError
@@ -79,7 +79,9 @@ class WandbConfig(_Strict):
 
 class TrainConfig(_Strict):
     model: str = "default"
-    dtype: Literal["bf16", "fp32"] = "bf16"
+    # auto: bf16 where the hardware multiplies it natively, fp32 elsewhere; resolved when the config is read,
+    # so caches keyed by the dtype (distilled data, hidden states) name the dtype really used.
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
     seed: int = 0
     run_dir: str = "runs/medusa"
     data: DataConfig = Field(default_factory=DataConfig)
@@ -102,6 +104,16 @@ class TrainConfig(_Strict):
     # for the heads to be exported to the shipped place.
     tree_budgets: list[int] = Field(default_factory=lambda: [8, 16, 32, 64])
     deepspeed: str | None = None          # DeepSpeed JSON config, used when launched with several processes
+
+    @field_validator("dtype")
+    @classmethod
+    def _resolve_dtype(cls, v: str) -> str:
+        if v != "auto":
+            return v
+        from medusa.hardware import resolve_dtype
+        from medusa.model import default_device
+
+        return resolve_dtype("auto", default_device()).name
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
