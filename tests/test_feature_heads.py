@@ -311,6 +311,15 @@ def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path):
     prompts = mixed_prompts(3, vocab=97, seed=2)
     spec = engine.generate(prompts, 16, FeatureProposer(head, engine.model, TreeShape(8, 3, 3)))
     assert [o.tokens for o in spec.outputs] == [hf_greedy(model, p, 16) for p in prompts]
+    # `medusa export --format eagle` writes the EAGLE-1 layout, which loads back to the same head.
+    from train.export import export
+
+    out = export(run / "head", tmp_path / "eagle1", "eagle")
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+    again = FeatureHead.load(out, model)
+    assert torch.equal(again.fc.weight, head.fc.weight)
+    with pytest.raises(MedusaError, match="eagle3-style"):
+        export(run / "head", tmp_path / "eagle3", "eagle3")
 
 
 def test_shipped_feature_config_validates():
