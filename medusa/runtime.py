@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -129,7 +128,8 @@ def eos_ids(hf_model, tokenizer) -> list[int]:
 
 
 def load_heads(spec: str | None, hf_model) -> MedusaHeads | None:
-    """`none` -> no heads; `default` -> the shipped heads (if any for this model); else a directory."""
+    """`none` -> no heads; `default` -> the shipped heads (if any for this model); else a directory in any
+    layout MedusaHeads.load reads, or a hub id (fetched when online)."""
     if spec in (None, "none"):
         return None
     if spec == "default":
@@ -139,6 +139,4 @@ def load_heads(spec: str | None, hf_model) -> MedusaHeads | None:
         if heads.config.hidden_size != hf_model.config.hidden_size:
             return None  # the shipped heads belong to the embedded model, not to a user's --model
         return heads.attach(hf_model)
-    if not Path(spec).is_dir():
-        raise MedusaError(f"--heads: {spec} is not a directory")
     return MedusaHeads.load(spec).attach(hf_model)

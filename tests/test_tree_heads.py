@@ -122,20 +122,21 @@ def test_heads_roundtrip_medusa_layout(tmp_path, own):
     heads.save(tmp_path, medusa_layout=True)
     meta = json.loads((tmp_path / "config.json").read_text())
     assert meta["medusa_num_heads"] == 3 and meta["medusa_num_layers"] == 2
-    from safetensors.torch import load_file
-    keys = set(load_file(str(tmp_path / "medusa_lm_head.safetensors")))
+    keys = set(torch.load(tmp_path / "medusa_lm_head.pt", weights_only=True))  # what FasterDecoding loads
     assert {"0.0.linear.weight", "2.1.linear.bias", "1.2.weight"} <= keys
     loaded = MedusaHeads.load(tmp_path).attach(model)
     x = torch.randn(4, 64)
     assert torch.allclose(heads(x), loaded(x))
 
 
-def test_medusa_layout_pt_file(tmp_path):
+def test_medusa_layout_safetensors_file(tmp_path):
+    """FasterDecoding's newer trainer writes medusa_lm_head.safetensors: read as well."""
     model, heads = _random_heads(True)
     heads.save(tmp_path, medusa_layout=True)
-    from safetensors.torch import load_file
-    torch.save(load_file(str(tmp_path / "medusa_lm_head.safetensors")), tmp_path / "medusa_lm_head.pt")
-    (tmp_path / "medusa_lm_head.safetensors").unlink()
+    from safetensors.torch import save_file
+    state = torch.load(tmp_path / "medusa_lm_head.pt", weights_only=True)
+    save_file({k: v.contiguous().clone() for k, v in state.items()}, str(tmp_path / "medusa_lm_head.safetensors"))
+    (tmp_path / "medusa_lm_head.pt").unlink()
     x = torch.randn(2, 64)
     assert torch.allclose(heads(x), MedusaHeads.load(tmp_path).attach(model)(x))
 

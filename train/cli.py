@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from medusa.errors import MedusaError
+
 from .config import load_config
 from .export import FORMATS
 
@@ -44,7 +46,11 @@ def add_parser(subparsers) -> None:
     where.add_argument("--out", help="destination directory (created, or replaced atomically)")
     where.add_argument("--to-shipped", action="store_true",
                        help="replace the shipped heads (what --heads default loads); refused if these measure worse")
-    e.add_argument("--format", default="native", choices=sorted(FORMATS), help="output layout (default: native)")
+    e.add_argument("--format", default="native", choices=sorted(FORMATS),
+                   help="output layout (default: native, ours); vllm: vLLM's Medusa checkpoint; medusa: "
+                        "FasterDecoding's medusa_lm_head.pt")
+    e.add_argument("--model", default=None, help="with --format vllm|medusa: the target model whose lm_head "
+                   "they store (default: the one the heads record)")
     e.add_argument("--force", action="store_true", help="with --to-shipped: replace even if these measure worse")
     e.set_defaults(func=cmd_export)
 
@@ -122,9 +128,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     src = Path(args.heads)
     if not args.to_shipped:
-        out = export(src, Path(args.out), args.format)
+        out = export(args.heads, Path(args.out), args.format, args.model)
         print(f"exported {src} -> {out} ({args.format}: heads, eval.json, trees)")
         return 0
+    if args.model is not None:
+        raise MedusaError("--model: only with --out and --format vllm|medusa")
     new, old = export_to_shipped(src, force=args.force, fmt=args.format)
     print(f"shipped heads replaced: {shipped_dir()} <- {src} (tau with their default tree {_tau(new)}, "
           f"previous {_tau(old)})")

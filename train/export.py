@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+import torch
 
 from medusa.errors import MedusaError
 
@@ -54,9 +57,70 @@ def _write_eagle(layout: str) -> Callable[[Path, Path], None]:
     return write
 
 
+def _copy_extras(src: Path, dest: Path) -> None:
+    """eval.json, train_config.yaml and trees/ go along in every layout (other loaders ignore them, ours
+    finds the heads' own trees next to them)."""
+    for name in ("eval.json", "train_config.yaml"):
+        if (src / name).is_file():
+            shutil.copy2(src / name, dest / name)
+    if (src / "trees").is_dir():
+        shutil.copytree(src / "trees", dest / "trees", dirs_exist_ok=True, ignore=shutil.ignore_patterns(".*"))
+
+
+def target_lm_head(model: str) -> torch.Tensor:
+    """The target's output projection [vocab, hidden], as stored: read from its safetensors files when it is a
+    local checkpoint (`lm_head.weight`, or the tied `model.embed_tokens.weight`), else from the loaded model."""
+    from safetensors import safe_open
+
+    from medusa.model import load_target, resolve_model_dir
+
+    where = Path(resolve_model_dir(model))
+    files = sorted(where.glob("*.safetensors")) if where.is_dir() else []
+    for key in ("lm_head.weight", "model.embed_tokens.weight"):  # untied models store lm_head.weight
+        for f in files:
+            with safe_open(str(f), "pt") as st:
+                if key in st.keys():
+                    return st.get_tensor(key)
+    hf_model, _ = load_target(model, "fp32", "cpu")
+    return hf_model.get_output_embeddings().weight.detach()
+
+
+def _write_layout(layout: str, src: Path, dest: Path, model: str | None) -> None:
+    from medusa.heads import MedusaHeads
+
+    heads = MedusaHeads.load(src)
+    if heads.lm_heads is None:
+        # Heads sharing the target's lm_head: these layouts store it, so it is read from the target.
+        name = model or heads.config.base_model
+        if not name:
+            raise MedusaError(f"--model: {src} shares the target's lm_head but does not record its target; "
+                              "name the target model with --model")
+        heads.use_projection(target_lm_head(name))
+    if layout == "medusa" and heads.candidate_ids is not None:
+        print(f"medusa export: the Medusa layout has no candidate vocabulary; the {heads.config.candidates} "
+              "candidates are dropped and its heads rank the whole vocabulary", file=sys.stderr)
+    heads.save(dest, layout=layout)
+    _copy_extras(src, dest)
+
+
+def _write_vllm(src: Path, dest: Path, model: str | None = None) -> None:
+    """vLLM's Medusa checkpoint: config.json (model_type medusa) + model.safetensors; a candidate vocabulary
+    becomes truncated_vocab_size + token_map."""
+    _write_layout("vllm", src, dest, model)
+
+
+def _write_medusa(src: Path, dest: Path, model: str | None = None) -> None:
+    """FasterDecoding's Medusa layout: config.json (medusa_num_heads, ...) + medusa_lm_head.pt with a
+    vocabulary projection per head, which both its v1 and v2 loaders read."""
+    _write_layout("medusa", src, dest, model)
+
+
 # Output formats by name; each writes the exported heads from `src` into the (temporary) `dest`.
 FORMATS: dict[str, Callable[[Path, Path], None]] = {"native": _write_native, "eagle": _write_eagle("eagle"),
                                                     "eagle3": _write_eagle("eagle3")}
+FORMATS.update(vllm=_write_vllm, medusa=_write_medusa)
+# Formats that store the target's lm_head: their writers take the target model (`--model`) as `model=`.
+TARGET_FORMATS = {"vllm", "medusa"}
 
 
 def shipped_dir() -> Path:
@@ -90,16 +154,17 @@ def measure(heads_dir: Path) -> Measure | None:
     return Measure(expected_tau(tree.nodes, acc), DEFAULT_TREE, [a[0] for a in acc])
 
 
-def _check_heads(src: Path) -> None:
-    from medusa.heads import MedusaHeads
+def _check_heads(src: Path | str) -> Path:
+    """The heads' directory (a hub id is fetched first); refuses one without (valid) heads."""
+    from medusa.heads import MedusaHeads, resolve_heads_dir
 
-    if not src.is_dir():
-        raise MedusaError(f"--heads: {src} is not a directory")
+    src = resolve_heads_dir(src)
     from medusa.feature_heads import read_kind
 
     if read_kind(src) == "feature":
-        return  # feature heads: checked when a format reads them
+        return src  # feature heads: checked when a format reads them
     MedusaHeads.load(src)  # refuses a directory without (valid) heads
+    return src
 
 
 def _inside(a: Path, b: Path) -> bool:
@@ -119,13 +184,20 @@ def _check_out(src: Path, out: Path) -> None:
         raise MedusaError(f"--out: {out} is a non-empty directory that holds no heads; name a new or empty one")
 
 
-def export(src: Path, out: Path, fmt: str = "native") -> Path:
-    """Copy heads (with trees and eval.json) from `src` to `out`, replacing `out` atomically."""
+def export(src: Path | str, out: Path, fmt: str = "native", model: str | None = None) -> Path:
+    """Copy heads (with trees and eval.json) from `src` (a directory or a hub id) to `out` in layout `fmt`,
+    replacing `out` atomically. `model`: the target whose lm_head the vllm and medusa layouts store
+    (default: the one the heads record)."""
     if fmt not in FORMATS:
         raise MedusaError(f"--format: unknown format {fmt!r} (choose {', '.join(sorted(FORMATS))})")
-    _check_heads(src)
+    if model is not None and fmt not in TARGET_FORMATS:
+        raise MedusaError(f"--model: only the {' and '.join(sorted(TARGET_FORMATS))} formats read the target model")
+    src = _check_heads(src)
     _check_out(src, out)
-    return atomic_dir(out, lambda tmp: FORMATS[fmt](src, tmp))
+    writer = FORMATS[fmt]
+    if fmt in TARGET_FORMATS:
+        return atomic_dir(out, lambda tmp: writer(src, tmp, model=model))
+    return atomic_dir(out, lambda tmp: writer(src, tmp))
 
 
 def _shipped_problems(src: Path, dest: Path, new: Measure | None, old: Measure | None) -> list[str]:
@@ -159,7 +231,7 @@ def export_to_shipped(src: Path, force: bool = False, fmt: str = "native") -> tu
 
     if fmt != "native":
         raise MedusaError(f"--format: the shipped heads are stored in the native format, not {fmt!r}")
-    _check_heads(src)
+    src = _check_heads(src)
     dest = shipped_dir()
     if _inside(dest.resolve(), src.resolve()):
         raise MedusaError(f"--heads: {src} already is the shipped heads directory")
