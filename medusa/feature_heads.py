@@ -356,12 +356,52 @@ class HeadRunner(nn.Module):
         return self.layer.forward(emb, x, rope, kv, row_idx, slots, mask, bias)
 
 
+class _Tap(nn.Module):
+    """A target layer that also keeps its last output (the residual stream after it)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.inner = layer
+        self.out: torch.Tensor | None = None
+
+    def forward(self, x, *args):
+        self.out = self.inner.forward(x, *args)
+        return self.out
+
+
+class LayerTaps:
+    """Fused features for eagle3 heads: HF `hidden_states[i]` of every pass, i.e. the output of target
+    layer i-1 (kept by a transparent wrapper around that layer), or the final normed hidden state for
+    i = number of layers. Installed once per target; the wrappers cost one reference per layer call."""
+
+    def __init__(self, target: Transformer, layers: list[int]):
+        self.layers = list(layers)
+        self.target = target
+
+    @classmethod
+    def install(cls, target: Transformer, layers: list[int]) -> "LayerTaps":
+        n = len(target.layers)
+        for i in layers:
+            if not 1 <= i <= n:
+                raise MedusaError(f"feature head fuses hidden_states[{i}]; this target has 1..{n} "
+                                  f"(0, the embeddings, is not supported)")
+            if i < n and not isinstance(target.layers[i - 1], _Tap):
+                target.layers[i - 1] = _Tap(target.layers[i - 1])
+        return cls(target, layers)
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        n = len(self.target.layers)
+        parts = [hidden if i == n else self.target.layers[i - 1].out for i in self.layers]
+        return torch.cat([p.to(hidden.dtype) for p in parts], dim=-1)
+
+
 class FeatureState:
     """Per-row state beside a batch: the head's cache, the target features of committed positions and the
     tokens both were computed from (`seq[r, s]` = x_s; the pending root included)."""
 
-    def __init__(self, runner: HeadRunner, rows: int, capacity: int, feature_dim: int):
+    def __init__(self, runner: HeadRunner, rows: int, capacity: int, feature_dim: int, taps: "LayerTaps | None" = None):
         self.runner = runner
+        self.taps = taps  # fused multi-layer features: read from taps on the target's layers
         dev = runner.device
         self.cache = runner.new_cache(rows, capacity)
         self.seq = torch.full((rows, capacity), -1, dtype=torch.long, device=dev)
@@ -378,13 +418,15 @@ class FeatureState:
 
     def prefilled(self, rows: slice, tokens: torch.Tensor, lengths: torch.Tensor, hidden: torch.Tensor) -> None:
         """The engine's prefill of new rows: keep their prompt features (so no second pass is needed)."""
-        if hidden.shape[-1] != self.feats.shape[-1]:
-            return  # fused multi-layer features are not in `hidden`: computed on first use instead
         t = tokens.shape[1]
         self.seq[rows, :t] = tokens
-        self.feats[rows, :t] = hidden.to(self.feats.dtype)
+        self.feats[rows, :t] = self.features(hidden).to(self.feats.dtype)
         self.feat_len[rows] = lengths
         self.cache.lens[rows] = 0
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's input features of the target pass that just ran (its final hidden states `hidden`)."""
+        return hidden if self.taps is None else self.taps.features(hidden)
 
 
 @dataclass
@@ -427,9 +469,7 @@ class FeatureProposer:
         # Rows sampled with rejection acceptance draft a chain sampled from the head's distribution and
         # hand it to the verifier (min(1, p/q) accepts more than a point mass when q is close to p).
         self.sample_chain = sample_chain
-        if head.config.feature_layers:
-            raise MedusaError("fused multi-layer features are not supported at inference yet; "
-                              "use a head trained on the final feature (feature_layers: [])")
+        self.taps = LayerTaps.install(target, head.config.feature_layers) if head.config.feature_layers else None
 
     # ---- engine protocol ------------------------------------------------------------------------
     def step(self, engine, batch: "Batch"):
@@ -444,7 +484,7 @@ class FeatureProposer:
         if (not isinstance(state, FeatureState) or state.runner is not self.runner
                 or state.cache.rows < batch.cache.rows or state.cache.capacity < need):
             with torch.inference_mode(False):
-                state = FeatureState(self.runner, batch.cache.rows, need, self.head.config.feature_dim)
+                state = FeatureState(self.runner, batch.cache.rows, need, self.head.config.feature_dim, self.taps)
             batch.aux[AUX_KEY] = state
         return state
 
@@ -479,7 +519,7 @@ class FeatureProposer:
         j = torch.arange(verdict.path.shape[1], device=hidden.device)
         keep = j[None, :] <= verdict.accepted[:, None]
         pos = (lens[:, None] + j).clamp(max=state.feats.shape[1] - 1)
-        feats = hidden[rows, verdict.path].to(state.feats.dtype)
+        feats = state.features(hidden)[rows, verdict.path].to(state.feats.dtype)
         state.feats[rows, pos] = torch.where(keep[:, :, None], feats, state.feats[rows, pos])
         state.seq[rows, pos] = torch.where(keep, tokens.gather(1, verdict.path), state.seq[rows, pos])
         state.feat_len[:n] = torch.where(state.feat_len[:n] >= lens, lens + verdict.accepted + 1, state.feat_len[:n])
@@ -511,7 +551,8 @@ class FeatureProposer:
                 take = j[None, :] < count[:, None]
                 r = torch.arange(n, device=dev)[:, None]
                 pos = idx.clamp(max=state.feats.shape[1] - 1)
-                state.feats[r, pos] = torch.where(take[:, :, None], hidden.to(state.feats.dtype), state.feats[r, pos])
+                feats = state.features(hidden).to(state.feats.dtype)
+                state.feats[r, pos] = torch.where(take[:, :, None], feats, state.feats[r, pos])
                 state.feat_len[rows] = start + count
         finally:
             cache.lens[rows] = saved

@@ -368,3 +368,48 @@ def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, 
     assert m.name == "feature:dynamic-6x3"
     proposer = Methods(bare, cfg).proposer(m)
     assert isinstance(proposer, FeatureProposer) and proposer.shape == TreeShape(6, 3, 4)
+
+
+def test_fused_layer_features_are_the_targets_hidden_states():
+    """eagle3 heads read HF hidden_states[i] of several layers; the kept features match HF's exactly, and
+    greedy decoding stays plain decoding's."""
+    model = tiny_model("llama", vocab=V, seed=3)
+    engine = Engine(Transformer(model), eos_token_ids=None)
+    torch.manual_seed(0)
+    head = FeatureHead(FeatureHeadConfig(64, V, V, style="eagle3", feature_layers=[1, 2]), model)
+    proposer = FeatureProposer(head, engine.model, TreeShape(6, 3, 2))
+    prompts = mixed_prompts(3, vocab=V, seed=11)
+    batch = engine.new_batch(3, 96, 20)
+    state = proposer.attach(batch)
+    engine.add(batch, [0, 1, 2], prompts, 20)
+    for _ in range(4):
+        engine.step(batch, proposer)
+    for r in range(3):
+        n = int(state.feat_len[r])
+        seq = batch.seq[r, :n][None]
+        with torch.no_grad():
+            hs = model(seq, output_hidden_states=True).hidden_states
+        want = torch.cat([hs[1], hs[2]], -1)[0]
+        assert torch.allclose(state.feats[r, :n].float(), want, atol=1e-4)
+    plain = engine.generate(prompts, 20)
+    spec = engine.generate(prompts, 20, proposer)
+    assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
+
+
+def test_fused_eagle3_training_runs_and_decodes(tiny_run, tmp_path):
+    from train.feature import run_feature_training
+    from transformers import AutoModelForCausalLM
+
+    root, model_dir, data = tiny_run
+    run = tmp_path / "run3"
+    cfg = _feature_config(root, model_dir, data, run, max_steps=3,
+                          head={"style": "eagle3", "feature_layers": [1], "draft_vocab": 40})
+    result = run_feature_training(cfg, progress=False)
+    assert result["step"] == 3 and len(result["eval"]["rank_accuracy"]) == 2
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    head = FeatureHead.load(run / "head", model)
+    assert head.config.feature_layers == [1] and head.fc.weight.shape == (64, 64)
+    engine = Engine(Transformer(model), eos_token_ids=None)
+    prompts = mixed_prompts(2, vocab=97, seed=8)
+    spec = engine.generate(prompts, 12, FeatureProposer(head, engine.model, TreeShape(6, 3, 2)))
+    assert [o.tokens for o in spec.outputs] == [hf_greedy(model, p, 12) for p in prompts]

@@ -148,8 +148,10 @@ def feature_fn(model, layers: list[int]):
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                     output_hidden_states=True, use_cache=False)
         top = out.logits.argmax(-1)
-        if layers:
-            return torch.cat([out.hidden_states[i] for i in layers], -1), top
+        final = len(out.hidden_states) - 1
+        if layers:  # the fused features, then the final one (the targets) unless it is the last fused
+            picked = list(layers) + ([final] if layers[-1] != final else [])
+            return torch.cat([out.hidden_states[i] for i in picked], -1), top
         return out.hidden_states[-1], top
     return run
 
@@ -226,9 +228,9 @@ def head_loss(head, cfg: FeatureTrainConfig, feats: torch.Tensor, tokens: torch.
     # Inputs at position s: f_s and x_{s+1}; targets: f_{s+1} and the target's distribution at s+1.
     nxt = torch.cat([tokens[:, 1:], tokens[:, -1:]], 1)
     emb = head.embed(nxt).float()
-    f_in = feats
+    f_in = feats[..., : head.config.feature_dim]
     if noise and cfg.loss.noise > 0:
-        f_in = feats + (torch.rand_like(feats) * 2 - 1) * cfg.loss.noise
+        f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * cfg.loss.noise
     target_feat = torch.cat([feats[:, 1:, -h:], feats[:, -1:, -h:]], 1)  # the final feature at s+1
     label_ok = torch.zeros(b, t, dtype=torch.bool, device=dev)
     label_ok[:, : t - 2] = answer[:, 2:] & valid[:, 2:]
@@ -460,7 +462,7 @@ def evaluate_head(head, cfg: FeatureTrainConfig, hf, fn, held: list[dict], full_
         greedy = torch.cat([top[:, 1:], top[:, -1:]], 1)
         label_ok = torch.zeros(1, t, dtype=torch.bool)
         label_ok[:, : t - 2] = ans[:, 2:]
-        xs = [head.inputs(emb, f, fused=True)]
+        xs = [head.inputs(emb, f[..., : head.config.feature_dim], fused=True)]
         positions = torch.arange(t).expand(1, t)
         for j in range(min(steps, t)):
             out = head.layer_forward(emb.repeat(1, j + 1, 1), torch.cat(xs, 1), positions.repeat(1, j + 1),
