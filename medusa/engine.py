@@ -40,7 +40,9 @@ class Stats:
         h = self.accept_hist
         return [sum(h[k + 1:]) / max(sum(h[k:]), 1) for k in range(len(h) - 1)]
 
-    def add_hist(self, accepted: torch.Tensor, width: int) -> None:
+    def add_hist(self, accepted: torch.Tensor | list[int], width: int) -> None:
+        if not isinstance(accepted, torch.Tensor):  # values already read to the host
+            accepted = torch.tensor(accepted, dtype=torch.long)
         counts = torch.bincount(accepted, minlength=width).tolist()
         if len(self.accept_hist) < len(counts):
             self.accept_hist += [0] * (len(counts) - len(self.accept_hist))
@@ -220,6 +222,8 @@ class Engine:
         batch.out_len[rows] = 0
         batch.max_new[rows] = torch.tensor(limits, device=dev)
         batch.stats.forward_passes += 1
+        # A copy: rows that finish here are removed in _emit, which compacts batch.root in place; a view
+        # would then show a finished row the first token of the row moved into its slot.
         new = batch.root[rows, None]
         lp = None
         if batch.logprobs and any(i in batch.logprobs for i in ids):
@@ -233,6 +237,8 @@ class Engine:
             return proposer.step(self, batch)  # per-row dynamic trees: medusa.dynamic_tree.tree_step
         n = batch.n
         rows = slice(0, n)
+        # Read before any of this step's work is queued: on a GPU the host then waits for nothing.
+        sampled = batch.sampling.any_sampling(rows)
         tree = proposer.tree if proposer is not None else ROOT_ONLY
         buf = tree.buffers(self.model.device)
         tokens, proposal = batch.root[rows, None], None
@@ -244,7 +250,7 @@ class Engine:
         positions = batch.cache.lens[rows, None] + buf.depth
         hidden = self.model(tokens, positions, batch.cache, rows, buf.mask)
         logits = self.model.lm_head(hidden)
-        if batch.sampling.any_sampling(rows):
+        if sampled:
             p = batch.sampling.probs(logits, rows)
             verdict = self.sampler.verify(p, tokens, buf, batch.sampling, rows, proposal)
         else:
@@ -266,13 +272,12 @@ class Engine:
         batch.stats.forward_passes += 1
         batch.stats.steps += 1
         batch.stats.row_steps += n
-        batch.stats.add_hist(accepted, tree.depth + 1)
         lp = None
         if batch.logprobs:  # the logits that decided each emitted token: those of the nodes on its path
             at = verdict.path[:, : new.shape[1]]
             lp = self._logprobs(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), new,
                                 batch.logprobs_k())
-        return self._emit(batch, rows, new, accepted + 1, lp)
+        return self._emit(batch, rows, new, accepted + 1, lp, accepted, tree.depth + 1)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, new: torch.Tensor, k: int) -> TokenLogprobs:
@@ -285,8 +290,12 @@ class Engine:
                              top.values if top is not None else empty)
 
     def _emit(self, batch: Batch, rows: slice, new: torch.Tensor, count: torch.Tensor,
-              logprobs: TokenLogprobs | None = None) -> StepOutput:
-        """Append new tokens to each row's output, cut at EOS / max tokens, retire finished rows."""
+              logprobs: TokenLogprobs | None = None, accepted: torch.Tensor | None = None,
+              width: int = 0) -> StepOutput:
+        """Append new tokens to each row's output, cut at EOS / max tokens, retire finished rows.
+
+        `accepted` (candidates accepted per row) goes into the acceptance histogram (`width` bins). The
+        counts, the finish flags and `accepted` reach the host in one read, one wait for the device."""
         j = torch.arange(new.shape[1], device=new.device)
         is_eos = torch.isin(new, self.eos) & (j < count[:, None])
         hit = is_eos.any(1)
@@ -297,13 +306,17 @@ class Engine:
         keep = j < count[:, None]
         out.scatter_(1, idx, torch.where(keep, new, out.gather(1, idx)))
         batch.out_len[rows] += count
-        batch.stats.new_tokens += int(count.sum())
         length = batch.out_len[rows] >= batch.max_new[rows]
+        read = [count, hit.long(), length.long()] + ([accepted] if accepted is not None else [])
+        host = torch.stack(read).tolist()
+        batch.stats.new_tokens += sum(host[0])
+        if accepted is not None:
+            batch.stats.add_hist(host[3], width)
         ids = batch.ids[rows]
         finished = []
-        done = (hit | length).nonzero()[:, 0].tolist()
+        done = [r for r, (h, full) in enumerate(zip(host[1], host[2])) if h or full]
         if done:
-            reason = {ids[r]: "stop" if bool(hit[r]) else "length" for r in done}
+            reason = {ids[r]: "stop" if host[1][r] else "length" for r in done}
             finished = batch.remove([ids[r] for r in done])
             for f in finished:
                 f.reason = reason[f.id]

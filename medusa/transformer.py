@@ -49,7 +49,11 @@ class KVCache:
         """
         lens = self.lens[rows]
         n = src.shape[1]
-        if not torch.equal(src, torch.arange(n, device=src.device).expand_as(src)):
+        if src.device.type == "cpu":  # on the CPU the check costs less than the copy it saves
+            move = not torch.equal(src, torch.arange(n, device=src.device).expand_as(src))
+        else:  # no host read on a GPU: a root-only path never moves, longer paths are copied even in place
+            move = n > 1
+        if move:
             # Advanced indexing reads and writes only the moved entries in place. (A scatter into the
             # row-slice view would first copy the whole strided view: time that grows with the cache.)
             r = torch.arange(rows.start, rows.stop, device=src.device)[:, None]
@@ -94,7 +98,7 @@ class Transformer(nn.Module):
     def new_cache(self, rows: int, capacity: int) -> KVCache:
         # Small batches on CPU keep K/V in fp32, the dtype their attention runs in (see FP32_ATTENTION_ROWS):
         # converting each layer's K/V window at every step would cost more than the attention itself.
-        dtype = torch.float32 if self.device.type == "cpu" and rows <= FP32_ATTENTION_ROWS else self.dtype
+        dtype = cache_dtype(self.device.type, self.dtype, rows)
         return KVCache(len(self.layers), rows, self.n_kv, capacity, self.head_dim, dtype, self.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
@@ -132,9 +136,8 @@ class Transformer(nn.Module):
         mask = ((rel < 0)[:, None, :] | (in_block[:, None, :] & block_part))[:, None]
         if t > SHORT_BLOCK:
             return mask, None
-        fp32 = kv_dtype == torch.float32 or (lens.device.type == "cpu" and b * t <= FP32_ATTENTION_ROWS)
         return mask, _short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv,
-                                       torch.float32 if fp32 else self.dtype)
+                                       attention_dtype(lens.device.type, self.dtype, kv_dtype, b * t))
 
 
 class _Layer(nn.Module):
@@ -186,7 +189,7 @@ class RMSNorm(nn.Module):
         w = norm.weight.detach()
         self.eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
         self.register_buffer("weight", w, persistent=False)
-        self.mirrored = w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16)
+        self.mirrored = mirrored_norm(w.device.type, w.dtype)
         self.register_buffer("weight2", torch.cat([w, w]) if self.mirrored else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -203,6 +206,28 @@ SHORT_BLOCK = 64  # passes of at most this many tokens per row use the matmul at
 # shapes. Caches of up to this many rows hold K/V in fp32; larger ones keep the model dtype (their K/V
 # would take twice the memory and bandwidth) and convert for a pass of at most this many tokens in all.
 FP32_ATTENTION_ROWS = 16
+
+
+# ---- per-device choices, as functions of (device type, dtype, rows) so they can be checked anywhere -------
+# On CUDA every one of them is the plain path: cuBLAS weights as stored, the stock RMSNorm, attention and
+# K/V in the model dtype.
+
+
+def cache_dtype(device_type: str, dtype: torch.dtype, rows: int) -> torch.dtype:
+    """K/V dtype of a cache of `rows` rows: fp32 for small caches on CPU, the model dtype elsewhere."""
+    return torch.float32 if device_type == "cpu" and rows <= FP32_ATTENTION_ROWS else dtype
+
+
+def attention_dtype(device_type: str, dtype: torch.dtype, kv_dtype: torch.dtype, rows: int) -> torch.dtype:
+    """dtype of a short pass's matmul attention over `rows` = B*T query tokens: fp32 when the cache is fp32
+    or, on CPU, for small passes; the model dtype otherwise."""
+    fp32 = kv_dtype == torch.float32 or (device_type == "cpu" and rows <= FP32_ATTENTION_ROWS)
+    return torch.float32 if fp32 else dtype
+
+
+def mirrored_norm(device_type: str, dtype: torch.dtype) -> bool:
+    """RMSNorm as one layer_norm kernel over [x, -x]: on CPU in bf16/fp16 only."""
+    return device_type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
 
 def _short_block_bias(mask: torch.Tensor, kvh: int, g: int, dtype: torch.dtype) -> torch.Tensor:
@@ -279,15 +304,19 @@ class Linear(nn.Module):
 
 
 def packing_available(weight: torch.Tensor) -> bool:
-    """oneDNN-packed weights on CPU: fp32 always (oneDNN's packed sgemm beats the generic one at the few
-    rows of decoding and tree passes), bf16 where oneDNN runs bf16 kernels."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    return pack_weights(weight.device.type, weight.dtype)
+
+
+def pack_weights(device_type: str, dtype: torch.dtype) -> bool:
+    """oneDNN-packed weights on CPU only: fp32 always (oneDNN's packed sgemm beats the generic one at the
+    few rows of decoding and tree passes), bf16 where oneDNN runs bf16 kernels."""
+    if device_type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if os.environ.get("MEDUSA_NO_PACK", "") not in ("", "0"):
         return False
-    if weight.dtype == torch.bfloat16:
+    if dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return weight.dtype == torch.float32
+    return dtype == torch.float32
 
 
 def _packed(linear: nn.Linear) -> Linear:
