@@ -346,3 +346,69 @@ def expand(logp: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[tor
     scores = parent_scores[:, :, None] + top.values
     slot = torch.arange(f, device=logp.device)[None, :, None].expand(n, f, k)
     return top.indices.reshape(n, -1), scores.reshape(n, -1), slot.reshape(n, -1)
+
+
+# ---- Medusa heads growing a dynamic tree -----------------------------------------------------------
+
+
+class MedusaDynamicProposer:
+    """Medusa heads with a per-row dynamic tree: head d's top-k log-probabilities at the root's hidden state
+    score depth d+1 (they do not depend on the parent, so a row's tree is the N most probable paths
+    through its own top-k lists). Trees adapt to each row's confidence, where a static tree follows the
+    heads' average accuracy."""
+
+    name = "medusa-dynamic"
+    owns_step = True
+
+    def __init__(self, heads, nodes: int, depth: int, topk: int, projection: torch.nn.Module | None = None):
+        from .errors import MedusaError
+
+        if depth > heads.config.num_heads:
+            raise MedusaError(f"a dynamic tree {depth} deep needs {depth} heads, these have {heads.config.num_heads}")
+        if nodes < depth or topk < 1 or topk + (depth - 1) * topk * topk < nodes:
+            raise MedusaError(f"no dynamic tree of {nodes} nodes, depth {depth} and top-{topk}")
+        self.heads, self.projection = heads, projection
+        self.nodes, self.depth, self.topk = nodes, depth, topk
+        self.tree = stand_in_tree(nodes, depth, f"dynamic-{nodes}x{depth}")
+        self._proj: torch.nn.Module | None = None
+
+    def step(self, engine: "Engine", batch: "Batch") -> "StepOutput":
+        return tree_step(engine, batch, self)
+
+    def _log_probs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's top-k (log-prob [D, n, k], token id [D, n, k]) over its candidate vocabulary."""
+        heads, d = self.heads, self.depth
+        ids = heads.candidate_ids
+        if ids is None:
+            logits = heads(hidden, self.projection, d)
+        else:
+            if self._proj is None:
+                from .transformer import _packed
+
+                w = heads.base_lm_head.weight.detach()[ids]
+                lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+                lin.weight.data.copy_(w)
+                self._proj = _packed(lin.requires_grad_(False))
+            logits = self._proj(torch.stack([block(hidden) for block in heads.blocks[:d]]))
+        top = torch.log_softmax(logits.float(), -1).topk(self.topk, -1)
+        tok = top.indices if ids is None else ids[top.indices]
+        return top.values, tok
+
+    @torch.inference_mode()
+    def draft(self, batch: "Batch") -> RowTrees:
+        n, k = batch.n, self.topk
+        lp, tok = self._log_probs(batch.hidden[:n])
+        dev = lp.device
+        pool = Pool([], [], [], [])
+        start = pool.add(tok[0], lp[0], torch.full_like(tok[0], -1), 1)
+        front_pool, front_score = start + torch.arange(k, device=dev).expand(n, k), lp[0]
+        for d in range(1, self.depth):
+            scores = (front_score[:, :, None] + lp[d][:, None, :]).reshape(n, -1)
+            slot = torch.arange(k, device=dev)[None, :, None].expand(n, k, k).reshape(n, -1)
+            start = pool.add(tok[d].repeat(1, k), scores, front_pool.gather(1, slot), d + 1)
+            best = scores.topk(k, -1).indices
+            front_pool, front_score = start + best, scores.gather(1, best)
+        return pool.trees(self.nodes, self.depth)
+
+    def observe(self, batch: "Batch", hidden: torch.Tensor, tokens: torch.Tensor, verdict: Verdict) -> None:
+        """Nothing to keep: Medusa heads read only the root's hidden state, which the step stores."""

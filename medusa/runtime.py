@@ -91,6 +91,10 @@ class Runtime:
             from .feature_runtime import feature_proposer
 
             return feature_proposer(self, None if isinstance(tree, Tree) else tree)
+        if mode == "medusa" and self.heads is not None and isinstance(tree, str) and tree.startswith("dynamic-"):
+            from .feature_runtime import medusa_dynamic
+
+            return medusa_dynamic(self, tree)  # a per-row dynamic tree from the heads' own log-probabilities
         if mode == "medusa":
             # Names resolve against the heads' own trees first, so trained heads get the trees built for them.
             heads_dir = self.heads.directory if self.heads is not None else None

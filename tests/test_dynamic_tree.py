@@ -114,3 +114,27 @@ def test_selection_keeps_parents_and_dead_nodes_are_never_accepted():
         for r in range(n):
             for node in verdict.path[r, 1: verdict.accepted[r] + 1].tolist():
                 assert not dead[r, node]
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
+def test_medusa_heads_with_dynamic_trees_match_plain(batch_size):
+    from conftest import mixed_prompts, tiny_model
+    from medusa.dynamic_tree import MedusaDynamicProposer
+    from medusa.engine import Engine
+    from medusa.heads import HeadsConfig, MedusaHeads
+    from medusa.transformer import Transformer
+
+    model = tiny_model("llama", vocab=16)
+    engine = Engine(Transformer(model), eos_token_ids=None)
+    torch.manual_seed(0)
+    heads = MedusaHeads(HeadsConfig(64, 16, 4, 1))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    heads.attach(model)
+    prompts = mixed_prompts(batch_size, vocab=16, seed=batch_size)
+    plain = engine.generate(prompts, 24)
+    for candidates in (None, torch.arange(0, 16, 2)):
+        heads.set_candidates(candidates)
+        spec = engine.generate(prompts, 24, MedusaDynamicProposer(heads, 10, 4, 3))
+        assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
+    assert sum(spec.stats.accept_hist[1:]) > 0

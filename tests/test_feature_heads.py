@@ -359,6 +359,17 @@ def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, 
     assert [o.tokens for o in gen.outputs] == [o.tokens for o in plain.outputs]
     with pytest.raises(MedusaError, match="dynamic"):
         rt.proposer("medusa", "tree-8")
+    # Medusa heads take dynamic trees too.
+    from medusa.dynamic_tree import MedusaDynamicProposer
+    from medusa.heads import HeadsConfig, MedusaHeads
+
+    (tmp_path / "medusa").mkdir()
+    MedusaHeads(HeadsConfig(64, 97, 3, 1)).save(tmp_path / "medusa")
+    mrt = Runtime.load(str(model_dir), heads=str(tmp_path / "medusa"), dtype="fp32", device="cpu")
+    dyn = mrt.proposer("medusa", "dynamic-10x3")
+    assert isinstance(dyn, MedusaDynamicProposer) and dyn.depth == 3
+    spec = mrt.engine.generate(prompts, 12, dyn)
+    assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
     # The evaluator's `feature` method, beside a runtime without heads.
     from medusa.evaluate import EvalConfig, Methods
 
