@@ -224,7 +224,7 @@ class Engine:
         batch.stats.forward_passes += 1
         # A copy: rows that finish here are removed in _emit, which compacts batch.root in place; a view
         # would then show a finished row the first token of the row moved into its slot.
-        new = batch.root[rows, None]
+        new = batch.root[rows, None].clone()
         lp = None
         if batch.logprobs and any(i in batch.logprobs for i in ids):
             lp = self._logprobs(logits[:, None], new, batch.logprobs_k())

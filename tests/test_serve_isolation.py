@@ -290,3 +290,31 @@ def test_requests_joining_a_running_batch_get_their_solo_tokens(rt, tokenizer, m
             token, lp, top = req.token_logprobs[0]
             assert token == want[p][0] and abs(lp - float(ref[token])) < 1e-4
             assert [t for t, _ in top] == ref.topk(3).indices.tolist()
+
+
+def test_row_ending_in_its_prefill_keeps_its_own_token(rt, tokenizer):
+    """A row whose first token is EOS finishes inside the prefill and leaves the batch there, and a row
+    prefilled with it moves into its slot: each must still be handed its own token (the finished row once
+    got its neighbour's first token, which the soak saw as an empty answer turning into one token)."""
+    from medusa.engine import Engine
+    from medusa.runtime import Runtime
+
+    a, b = (tokenizer(p)["input_ids"] for p in PROMPTS[:2])
+    eos = rt.engine.generate([a], 1).outputs[0].tokens[0]  # make `a`'s first token the end of sequence
+    engine = Engine(rt.model, [eos])
+    want_b = engine.generate([b], MAX_TOKENS).outputs[0].tokens
+    assert want_b[0] != eos
+    batch = engine.new_batch(4, 64, MAX_TOKENS)
+    out = engine.add(batch, ["a", "b", "c"], [a, b, a], MAX_TOKENS)
+    got = {rid: out.tokens[i, : int(out.counts[i])].tolist() for i, rid in enumerate(out.ids)}
+    assert got == {"a": [eos], "b": want_b[:1], "c": [eos]}
+    assert [(f.id, f.reason) for f in out.finished] == [("a", "stop"), ("c", "stop")] and batch.ids == ["b"]
+
+    app = app_for(Runtime(rt.hf_model, tokenizer, rt.model, engine, rt.heads))
+    sched = app.state.server.scheduler
+    with running_server(app):
+        jobs = [make(tokenizer, p, f"r{i}") for i, p in enumerate([PROMPTS[0], PROMPTS[1], PROMPTS[0]])]
+        submit_together(sched, [r for r, _ in jobs])
+        results = [got.result() for _, got in jobs]
+    assert [(r.tokens, ev.finish_reason) for (r, _), ev in zip(jobs, results)][0::2] == [([eos], "stop")] * 2
+    assert jobs[1][0].tokens == want_b
