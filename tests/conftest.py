@@ -49,3 +49,14 @@ def embedded():
     from medusa.runtime import Runtime
 
     return Runtime.load("default", heads="default", dtype="fp32", device="cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` skip, saying why, on a machine where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device (torch.cuda.is_available() is False); "
+                                   "`bash scripts/gpu_check.sh` runs these on a GPU machine")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

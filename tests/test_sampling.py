@@ -16,12 +16,17 @@ V = 8
 PROMPT = [1, 2, 3]
 
 
-@pytest.fixture(scope="module")
-def small():
+def small_model():
     model = tiny_model("llama", seed=5, vocab=V)
     # Flatter logits than the default tiny model, so that every token has real probability mass.
     with torch.no_grad():
         model.lm_head.weight.mul_(0.15)
+    return model
+
+
+@pytest.fixture(scope="module")
+def small():
+    model = small_model()
     return model, Engine(Transformer(model), eos_token_ids=None)
 
 

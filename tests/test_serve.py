@@ -35,14 +35,14 @@ def embedded_tokenizer():
     return AutoTokenizer.from_pretrained(resolve_model_dir("default"))
 
 
-def tiny_runtime(tokenizer, seed: int = 0, heads: bool = True):
+def tiny_runtime(tokenizer, seed: int = 0, heads: bool = True, device: str = "cpu"):
     """A Runtime over a tiny random Llama with the embedded tokenizer and random Medusa heads."""
     from medusa.engine import Engine
     from medusa.heads import HeadsConfig, MedusaHeads
     from medusa.runtime import Runtime, eos_ids
     from medusa.transformer import Transformer
 
-    model = tiny_model("llama", seed=seed, vocab=VOCAB)
+    model = tiny_model("llama", seed=seed, vocab=VOCAB).to(device)
     model.config.eos_token_id = tokenizer.eos_token_id
     medusa_heads = None
     if heads:
@@ -98,12 +98,14 @@ def serve(rt, **overrides):
     return running_server(create_app(ServeConfig(**{**base, **overrides}), rt))
 
 
+# Dynamic policy with a low watermark: load changes during the tests switch between Medusa and plain.
+DYNAMIC_POLICY = {"mode": "dynamic", "high_watermark": 3, "low_watermark": 1, "min_tau": 1.0,
+                  "trees": {1: "chain-2", 2: "tree-16", 4: "tree-8"}}
+
+
 @pytest.fixture(scope="module")
 def server(rt):
-    # Dynamic policy with a low watermark: load changes during the tests switch between Medusa and plain.
-    policy = {"mode": "dynamic", "high_watermark": 3, "low_watermark": 1, "min_tau": 1.0,
-              "trees": {1: "chain-2", 2: "tree-16", 4: "tree-8"}}
-    with serve(rt, policy=policy, max_queue=64) as url:
+    with serve(rt, policy=DYNAMIC_POLICY, max_queue=64) as url:
         yield url
 
 
@@ -177,8 +179,12 @@ def test_many_concurrent_streams_match_decoding_alone(server, rt, tokenizer):
     """36 streaming clients with mixed prompts and lengths, more than the 8 batch rows, every fourth one
     sampling: all complete, and each greedy one equals its prompt decoded alone (nothing lost,
     duplicated or interleaved across requests, sampled neighbours in the batch change nothing)."""
+    check_concurrent_streams(server, rt, tokenizer, 36)
+
+
+def check_concurrent_streams(server: str, rt, tokenizer, count: int) -> None:
     jobs = [(f"Request {i}: write about topic number {i * 7 % 13}" + " please" * (i % 5), 4 + (i * 11) % 29,
-             1.0 if i % 4 == 3 else 0.0) for i in range(36)]
+             1.0 if i % 4 == 3 else 0.0) for i in range(count)]
     expected = [alone(rt, tokenizer(p)["input_ids"], m)[0] for p, m, _ in jobs]
 
     async def one(c: openai.AsyncOpenAI, prompt: str, max_tokens: int, temperature: float) -> tuple[str, int]:
