@@ -88,7 +88,7 @@ def read_kind(directory: str | Path) -> str | None:
             meta = json.loads((d / "config.json").read_text())
         except ValueError:
             return None
-        if "medusa_num_heads" in meta:
+        if "medusa_num_heads" in meta or meta.get("model_type") == "medusa":  # FasterDecoding's / vLLM's Medusa
             return "medusa"
         if _eagle_weights(d) is not None:
             return KIND

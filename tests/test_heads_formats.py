@@ -170,6 +170,12 @@ def test_vllm_export_has_the_names_shapes_and_config_vllm_reads(target, tmp_path
     back = MedusaHeads.load(out).attach(model)
     assert torch.equal(back.top_tokens(x, 3, HEADS), ours)
     assert back.tree().nodes == [(0,), (1,), (0, 0)]  # its own trees came along
+    if not own and not candidates:
+        # `--heads DIR` on a vLLM checkpoint: the runtime takes it for Medusa heads (not feature heads).
+        from medusa.runtime import Runtime
+
+        rt = Runtime.load(str(model_dir), heads=str(out), dtype="fp32", device="cpu")
+        assert rt.feature is None and torch.equal(rt.heads.top_tokens(x, 3, HEADS), ours)
 
 
 def test_vllm_checkpoint_variants_load(target, tmp_path):

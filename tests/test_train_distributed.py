@@ -211,3 +211,12 @@ def test_checkpoints_carry_the_cuda_generator_where_there_is_one(monkeypatch):
     ckpt.set_rng_state(state)
     ckpt.set_rng_state({k: v for k, v in state.items() if k != "cuda"})
     assert restored == [[7, 8]]
+
+
+def test_distill_under_a_launcher_runs_only_on_rank_0(monkeypatch, capsys):
+    from medusa.cli import main
+
+    monkeypatch.setenv("RANK", "1")
+    config = str(REPO / "configs" / "train" / "smollm2-medusa1.yaml")
+    assert main(["--local_rank=1", "distill", "--config", config]) == 0
+    assert "rank 1 has nothing to do" in capsys.readouterr().err

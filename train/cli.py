@@ -56,9 +56,16 @@ def add_parser(subparsers) -> None:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
+    import os
+    import sys
+
     from .distill import run_distill
 
     cfg = load_config(args.config, args.set)
+    if int(os.environ.get("RANK", "0")) > 0:
+        # Distillation runs in one process; under a launcher the other ranks would repeat its work.
+        print(f"medusa distill: rank {os.environ['RANK']} has nothing to do (rank 0 distils)", file=sys.stderr)
+        return 0
     out = run_distill(cfg, show_progress=not args.no_progress)
     print(f"distilled dataset: {out}")
     return 0
