@@ -195,6 +195,14 @@ def test_vllm_checkpoint_variants_load(target, tmp_path):
     assert heads.config.num_heads == 2 and heads.config.candidates == len(CANDIDATES)
     assert torch.equal(heads.top_tokens(x, 3, 2), vllm_proposals(tmp_path, x, 3))
     assert torch.isin(heads.top_tokens(x, 3, 2), CANDIDATES).all()
+    # Kept in our layout (projections over the candidate rows), and back to vLLM's: the same proposals.
+    heads.save(tmp_path / "ours")
+    again = MedusaHeads.load(tmp_path / "ours").attach(model)
+    assert torch.equal(again.top_tokens(x, 3, 2), heads.top_tokens(x, 3, 2))
+    again.save(tmp_path / "vllm-again", layout="vllm")
+    assert torch.equal(vllm_proposals(tmp_path / "vllm-again", x, 3), heads.top_tokens(x, 3, 2))
+    with pytest.raises(MedusaError, match="export them as vllm"):
+        again.save(tmp_path / "medusa", layout="medusa")
 
 
 # ---- our heads <-> FasterDecoding's Medusa layout ---------------------------------------------------------------
