@@ -341,3 +341,65 @@ def test_two_processes_on_two_gpus_match_one(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "training in 2 processes (rank 0 on cuda:0)" in proc.stderr
     _same_heads(tmp_path / "one" / "heads", tmp_path / "two" / "heads", rtol=1e-3, atol=1e-4)
+
+
+# ---- benchmarks/gpu_curve.py: the same code on the CPU with --tiny ---------------------------------------
+
+
+def _gpu_curve():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_curve.py"
+    spec = importlib.util.spec_from_file_location("gpu_curve", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_curve_tiny_runs_and_predicts_from_its_curve(tmp_path, monkeypatch, capsys):
+    """--tiny measures the whole (small) grid, writes it under $OUT, and its predicted speedups and
+    crossovers are the formulas applied to what it measured and to the acceptance it read."""
+    import json
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    curve = _gpu_curve()
+    assert curve.main(["--tiny", "--device", "cpu", "--feature-tau", "2.5"]) == 0
+    r = json.loads((tmp_path / "gpu_curve_tiny.json").read_text())
+    assert "stops paying at B" in capsys.readouterr().out
+    sizes = [1, 2, 4]
+    grid = {(b, t): ms for b, t, ms in r["grid"]}
+    assert r["batch_sizes"] == sizes and r["skipped_batch_sizes"] == []
+    acc = r["acceptance"]
+    shape = acc["feature"]
+    trees = acc["medusa"]
+    needed = {t["tree_size"] for t in trees.values()} | {acc["draft"]["k"] + 1, shape["nodes"] + 1}
+    assert needed | {1, 2, 4} <= set(r["tokens"])
+    assert set(grid) == {(b, t) for b in sizes for t in r["tokens"]} and min(grid.values()) > 0
+    report = json.loads(curve.EVAL_JSON.read_text())["cost_model"]["acceptance"]
+    assert acc["draft"]["tau"] == report["draft"]["tau"] and shape["tau"] == 2.5
+    feature = {(b, t): ms for b, t, ms in r["feature_grid"]}
+    for b in sizes:
+        s = r["speedup"][str(b)]
+        tree = trees[s["medusa_tree"]]
+        heads = r["heads_ms"][str(b)]
+        assert s["medusa"] == pytest.approx(tree["tau"] * grid[(b, 1)] / (grid[(b, tree["tree_size"])] + heads))
+        drafting = feature[(b, 2)] + (shape["depth"] - 1) * feature[(b, shape["topk"])]
+        assert s["feature"] == pytest.approx(2.5 * grid[(b, 1)] / (grid[(b, shape["nodes"] + 1)] + drafting))
+        assert s["draft"] > 0
+    for method in ("medusa", "feature", "draft"):
+        stops = [b for b in sizes if r["speedup"][str(b)][method] <= 1]
+        assert r["crossover"][method] == (stops[0] if stops else None)
+
+
+def test_gpu_curve_budget_and_cpu_guard(tmp_path):
+    import json
+
+    curve = _gpu_curve()
+    out = tmp_path / "c.json"
+    assert curve.main(["--tiny", "--device", "cpu", "--budget-s", "0", "--batch-sizes", "1,2",
+                       "--tokens", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["batch_sizes"] == [1] and r["skipped_batch_sizes"] == [2]  # the smallest B is always measured
+    with pytest.raises(SystemExit):  # the full-size curve refuses the CPU
+        curve.parse_args(["--device", "cpu"])
