@@ -19,7 +19,8 @@ EXTERNAL_COMMANDS = ["medusa.bench", "medusa.calibrate", "medusa.evaluate", "tra
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct), a model "
                    "directory, a .gguf file or a hub id")
-    p.add_argument("--heads", default="default", help="heads directory, 'default' (shipped) or 'none'")
+    p.add_argument("--heads", default="default", help="heads directory (Medusa heads, or feature heads: ours or an "
+                   "EAGLE-1/EAGLE-3 layout), 'default' (shipped), 'feature' (shipped feature heads) or 'none'")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,bf16,fp16,fp32}",
                    help="auto (default): bf16 where the hardware multiplies it natively, fp32 elsewhere")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--mode", default="auto", choices=["auto", "plain", "medusa"],
                    help="auto (default): speculate where this machine's calibrated pass costs and the heads' "
                         "accuracy predict a gain, and while measured steps confirm it; medusa: always; plain: never")
-    g.add_argument("--tree", default=None, help="with --mode medusa: tree file or name (tree-8/16/32/64)")
+    g.add_argument("--tree", default=None, help="with --mode medusa: tree file or name (tree-8/16/32/64), or a "
+                   "per-row dynamic tree dynamic-N[xD[xK]] (N nodes, D draft steps, top-K; feature heads take only these)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     add_sampling_args(g)
     g.add_argument("--raw", action="store_true", help="use prompts as raw text, without the chat template")
