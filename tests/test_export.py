@@ -230,3 +230,15 @@ def test_expected_tau_by_hand():
     acc = [[0.5, 0.2], [0.4, 0.1]]
     # 1 + P(h1 rank 0) + P(h1 rank 1) + P(h1 rank 0, h2 rank 0) + P(h1 rank 0, h2 rank 1); depth 3 is unmeasured.
     assert expected_tau([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)], acc) == pytest.approx(1 + 0.5 + 0.2 + 0.2 + 0.05)
+
+
+def test_export_default_names_the_shipped_heads(tmp_path, shipped, tiny_model_dir, capsys):
+    """`--heads default` exports the shipped heads (here a stand-in), e.g. to serve them with vLLM."""
+    out = tmp_path / "vllm"
+    assert main(["export", "--heads", "default", "--format", "vllm", "--out", str(out),
+                 "--model", str(tiny_model_dir)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 3
+    assert (out / "trees" / "tree-8.yaml").read_text() == (shipped / "trees" / "tree-8.yaml").read_text()
+    assert main(["export", "--heads", "default", "--out", str(tmp_path / "native")]) == 0
+    assert dir_hashes(tmp_path / "native") == dir_hashes(shipped)

@@ -155,10 +155,11 @@ def measure(heads_dir: Path) -> Measure | None:
 
 
 def _check_heads(src: Path | str) -> Path:
-    """The heads' directory (a hub id is fetched first); refuses one without (valid) heads."""
+    """The heads' directory (`default`: the shipped heads; a hub id is fetched first); refuses one without
+    (valid) heads."""
     from medusa.heads import MedusaHeads, resolve_heads_dir
 
-    src = resolve_heads_dir(src)
+    src = shipped_dir() if str(src) == "default" else resolve_heads_dir(src)
     from medusa.feature_heads import read_kind
 
     if read_kind(src) == "feature":
