@@ -340,8 +340,9 @@ class Engine:
         results: dict[Any, Finished] = {}
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
-        if proposer is not None and hasattr(proposer, "attach"):
-            proposer.attach(batch)  # before the prefill, so per-row proposer state sees the prompts
+        for source in (proposer, policy):
+            if source is not None and hasattr(source, "attach"):
+                source.attach(batch)  # before the prefill, so per-row proposer state sees the prompts
         for f in self.add(batch, list(range(len(prompts))), prompts, max_new_tokens, sampling).finished:
             results[f.id] = f
         while batch.n:

@@ -480,7 +480,8 @@ class FeatureProposer:
     def attach(self, batch: "Batch") -> "FeatureState":
         """Create the per-row state before rows are added, so prompt features are kept at prefill."""
         state = batch.aux.get(AUX_KEY)
-        need = batch.cache.capacity + (self.shape.depth - 1) * self.shape.topk + self.shape.depth + 2
+        # Draft entries of any shape up to depth 8 and top-8 fit, so one state serves every planned shape.
+        need = batch.cache.capacity + max(66, (self.shape.depth - 1) * self.shape.topk + self.shape.depth + 2)
         if (not isinstance(state, FeatureState) or state.runner is not self.runner
                 or state.cache.rows < batch.cache.rows or state.cache.capacity < need):
             with torch.inference_mode(False):

@@ -116,8 +116,8 @@ class _FeatureAuto:
         return plan
 
     def make(self, tree) -> FeatureProposer:
-        return FeatureProposer(self.rt.feature, self.rt.model, self.shapes.get(tree.name, DEFAULT_SHAPE),
-                               runner=self.runner)
+        shape = self.shapes.get(tree.name, DEFAULT_SHAPE) if tree is not None else DEFAULT_SHAPE
+        return FeatureProposer(self.rt.feature, self.rt.model, shape, runner=self.runner)
 
 
 def feature_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "AutoSpeculation":
@@ -127,6 +127,8 @@ def feature_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "Auto
     planner = _FeatureAuto(rt, progress, batch_size)
     auto = AutoSpeculation(planner.plan, planner.make, 65)  # the largest planned tree: 64 nodes + the root
     auto.shape_for = lambda rows: planner.shapes.get(getattr(planner.plan(rows).tree, "name", ""))
+    # Engine.generate attaches the head's per-row state before the prefill, so prompts need no second pass.
+    auto.attach = lambda batch: planner.make(None).attach(batch)
     return auto
 
 
