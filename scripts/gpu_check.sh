@@ -24,8 +24,8 @@ fi
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '|',
 torch.cuda.get_device_name(0), '| transformers', transformers.__version__)"
 
-timeout 300 "$PY" -m pytest -m cuda -q -rs tests/test_cuda.py --junitxml "$OUT/cuda_tests.xml" -o junit_family=xunit1 2>&1 \
-  | tee "$OUT/cuda_tests.log"
+timeout 300 "$PY" -m pytest -m cuda -q -rs tests/test_cuda.py \
+  --junitxml "$OUT/cuda_tests.xml" -o junit_family=xunit1 2>&1 | tee "$OUT/cuda_tests.log"
 tests=$?
 timeout 240 "$PY" benchmarks/gpu_curve.py --budget-s 150 --out "$OUT/gpu_curve.json" 2>&1 | tee "$OUT/gpu_curve.log"
 curve=$?

@@ -222,8 +222,8 @@ def test_sampling_on_cuda_has_the_target_distribution(kind):
     """Rejection acceptance on the GPU samples exactly the target's distribution (plain sampling, a Medusa
     tree, a chain drawn from a wrong distribution); the same test rejects typical acceptance there."""
     from medusa.sampling import SamplingParams
-    from test_sampling import PARAMS, SampledChain, chi_square_pvalue, exact_pairs, random_heads, sample_pairs
-    from test_sampling import small_model
+    from test_sampling import (PARAMS, SampledChain, chi_square_pvalue, exact_pairs, random_heads, sample_pairs,
+                               small_model)
 
     model = small_model()
     gpu = copy.deepcopy(model).to(CUDA)
