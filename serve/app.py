@@ -262,8 +262,12 @@ class Server:
                       on_event: Any, tag: str = "") -> list[Request]:
         """The request's `n` choices, each a batch row; `on_event(i)` is the callback of choice i. With a
         seed, choice i samples with `choice_seed(seed, i)`."""
+        n = body.n or 1
+        if n > self.cfg.max_batch + self.cfg.max_queue:  # could never be admitted together: not worth a retry
+            raise ApiError(400, f"n = {n} choices exceed what this server can hold at once "
+                           f"({self.cfg.max_batch} rows + {self.cfg.max_queue} queued)", "n")
         reqs = []
-        for i in range(body.n or 1):
+        for i in range(n):
             req = self.make_request(prompt, body, max_tokens, param, on_event(i), tag, index=i)
             req.logprobs = body.logprobs_k()
             reqs.append(req)

@@ -215,6 +215,14 @@ def test_n_choices(plain_url, rt, tokenizer):
     assert chunks[-1].usage.completion_tokens == 10
 
 
+def test_n_beyond_what_the_server_holds_is_a_400(rt):
+    with serve(rt, max_batch=2, max_queue=1, policy={"mode": "plain"}) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": "default", "prompt": "x", "n": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        r = httpx.post(url + "/v1/completions", json={"model": "default", "prompt": "x", "n": 3, "max_tokens": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3
+
+
 # ---- API key and request ids --------------------------------------------------------------------------
 
 def test_api_key(rt, monkeypatch):
