@@ -530,7 +530,8 @@ def print_report(r: dict) -> None:
           f"413 {q['oversized_413']}; dropped streams {q['disconnects']}; 5xx {q['server_errors']}")
     g = r["greedy"]
     print(f"greedy answers checked against solo: {q['greedy_checked']} (+{r['warmup']['greedy_checked']} in warm-up); "
-          f"differing: {len(g['judged'])}, of which near-ties {v['greedy_near_ties']} and defects {v['greedy_mismatch']}")
+          f"differing: {len(g['judged'])}, of which near-ties {v['greedy_near_ties']} and defects "
+          f"{v['greedy_mismatch']}")
     for j in g["judged"]:
         what = "near-tie" if j["near_tie"] else "DEFECT"
         detail = (f"tokens {j['solo_token']} vs {j['got_token']}, top-2 gap {j['top2_gap']:.2e}, behind top "

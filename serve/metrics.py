@@ -6,8 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 FAILURE_STAGES = ("prefill", "row", "proposer", "engine")
-OUTCOMES = ("ok", "cancelled", "bad_request", "unauthorized", "not_found", "method_not_allowed", "too_large", "queue_full",
-            "queue_timeout", "unavailable", "server_error")
+OUTCOMES = ("ok", "cancelled", "bad_request", "unauthorized", "not_found", "method_not_allowed", "too_large",
+            "queue_full", "queue_timeout", "unavailable", "server_error")
 
 
 class Metrics:
@@ -20,8 +20,8 @@ class Metrics:
         self.rejected = Counter("medusa_requests_rejected", "Requests refused by cause", ["cause"],
                                 registry=r)
         self.responses = Counter("medusa_responses", "HTTP requests by outcome: ok, cancelled, or the error "
-                                 "kind (bad_request, unauthorized, not_found, method_not_allowed, too_large, queue_full, "
-                                 "queue_timeout, unavailable, server_error)", ["outcome"], registry=r)
+                                 "kind (bad_request, unauthorized, not_found, method_not_allowed, too_large, "
+                                 "queue_full, queue_timeout, unavailable, server_error)", ["outcome"], registry=r)
         self.failures = Counter("medusa_failures", "Internal failures by stage: prefill, row (tokens of one "
                                 "request), proposer (step redone without speculation), engine (batch failed)",
                                 ["stage"], registry=r)
