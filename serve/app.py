@@ -25,7 +25,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import anyio
 import jinja2
@@ -259,7 +259,7 @@ class Server:
         return self.rt.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def make_requests(self, prompt: list[int], body: Any, max_tokens: int | None, param: str,
-                      on_event: Any, tag: str = "") -> list[Request]:
+                      on_event: Callable[[int], Callable[[Event], None]], tag: str = "") -> list[Request]:
         """The request's `n` choices, each a batch row; `on_event(i)` is the callback of choice i. With a
         seed, choice i samples with `choice_seed(seed, i)`."""
         n = body.n or 1
