@@ -22,7 +22,7 @@ import torch
 from .config import write_text_atomic
 from .costmodel import Latency, measure_forward, measure_heads
 
-VERSION = 2  # bump when what is measured changes, so old files are not read as new ones
+VERSION = 3  # bump when what is measured changes, so old files are not read as new ones
 TOKENS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64]
 BATCH_SIZES = [1, 2, 4, 8, 16]
 # A batch size's sweep stops once a pass costs this many one-token passes: heads of depth <= 5 accept at
@@ -157,7 +157,7 @@ def _measure(rt, cal: Calibration, todo: dict[int, list[int]], heads_todo: list[
             _monotone(cal, b)
         if heads_todo:
             cal.heads_ms.update(measure_heads(rt.heads, rt.model.config.hidden_size, heads_todo, HEADS_TOPK,
-                                              rt.model.dtype, rt.model.device, REPEATS))
+                                              rt.model.dtype, rt.model.device, REPEATS, rt.model.lm_head))
             bar.update(len(heads_todo))
 
 

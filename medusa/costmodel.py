@@ -202,12 +202,13 @@ def _forward_pass(model, head, cache, b: int, t: int, prefix: int):
 
 @torch.inference_mode()
 def measure_heads(heads, hidden_size: int, batch_sizes: list[int], topk: int, dtype, device,
-                  repeats: int = 5) -> dict[int, float]:
-    """Fastest ms of the heads' forward plus the top-k a Medusa proposer takes, per batch size."""
+                  repeats: int = 5, projection=None) -> dict[int, float]:
+    """Fastest ms of what a Medusa proposer runs per step (all heads, their top-k over the candidate
+    vocabulary through the engine's `projection`), per batch size."""
     out = {}
     for b in batch_sizes:
         h = torch.randn(b, hidden_size, dtype=dtype, device=device)
-        out[b] = _fastest_ms(lambda: heads(h).topk(topk, dim=-1), repeats, device)
+        out[b] = _fastest_ms(lambda: heads.top_tokens(h, topk, heads.config.num_heads, projection), repeats, device)
     return out
 
 

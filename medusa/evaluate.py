@@ -524,7 +524,8 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
         topk = max(load_tree(s["spec"]).topk for s in acc["medusa"].values())
         lat["heads"] = {str(b): ms for b, ms in measure_heads(rt.heads, rt.model.config.hidden_size,
                                                                cfg.batch_sizes, topk, rt.model.dtype,
-                                                               rt.model.device, cm.repeats).items()}
+                                                               rt.model.device, cm.repeats,
+                                                               rt.model.lm_head).items()}
     bar.close()
     model = {"model": getattr(rt.hf_model, "name_or_path", cfg.model), "device": str(rt.model.device),
              "dtype": rt.dtype.name, "prefix_tokens": cm.prefix, "latency_ms": lat,
