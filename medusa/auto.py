@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from .calibrate import Calibration
@@ -49,9 +50,10 @@ class Plan:
 
 
 def read_accuracy(heads) -> list[list[float]] | None:
-    """The heads' held-out rank accuracies (eval.json next to them), or None when they were not measured."""
+    """Heads' (Medusa or feature) held-out rank accuracies, from the eval.json next to them; None when they
+    were not measured."""
     directory = getattr(heads, "directory", None)
-    path = directory / "eval.json" if directory is not None else None
+    path = Path(directory) / "eval.json" if directory is not None else None
     if path is None or not path.is_file():
         return None
     try:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .auto import read_accuracy
 from .errors import MedusaError
 from .feature_heads import (SHIPPED_FEATURE_DIR, FeatureHead, FeatureProposer, HeadRunner, TreeShape,
                             draft_pass_ms, parse_shape, plan_shape, read_kind)
@@ -54,18 +55,6 @@ def resolve_feature(spec: str | None, hf_model) -> FeatureHead | None:
     return None
 
 
-def accuracy_of(head: FeatureHead) -> list[list[float]] | None:
-    d = getattr(head, "directory", None)
-    path = Path(d) / "eval.json" if d is not None else None
-    if path is None or not path.is_file():
-        return None
-    try:
-        acc = json.loads(path.read_text()).get("rank_accuracy")
-    except (ValueError, AttributeError):
-        return None
-    return acc if isinstance(acc, list) and acc and all(isinstance(a, list) and a for a in acc) else None
-
-
 @functools.lru_cache(maxsize=8)
 def _runner(head: FeatureHead, dtype: torch.dtype, device: torch.device) -> HeadRunner:
     return HeadRunner(head, dtype).to(device)
@@ -94,7 +83,7 @@ class _FeatureAuto:
         self.rt = rt
         self.runner = _runner(rt.feature, rt.model.dtype, rt.model.device)
         self.cal = load_or_measure(rt, [1 << i for i in range(bucket(batch_size).bit_length())], progress=progress)
-        self.accuracy = accuracy_of(rt.feature)
+        self.accuracy = read_accuracy(rt.feature)
         self.shapes: dict[str, TreeShape] = {}
         self._pass_ms = functools.lru_cache(maxsize=None)(
             lambda rows, tokens: draft_pass_ms(self.runner, rows, tokens))
