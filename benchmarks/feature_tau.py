@@ -58,7 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.heads:
         head = FeatureHead.load(spec, rt.hf_model)
         for shape in args.shapes.split(","):
-            methods[f"{spec}:{shape}"] = FeatureProposer(head, rt.model, parse_shape(shape))
+            if shape == "planned":  # what --mode medusa picks at batch size 1 from the calibrated curve
+                from dataclasses import replace
+
+                from medusa.feature_runtime import feature_proposer
+
+                proposer = feature_proposer(replace(rt, feature=head), None)
+                methods[f"{spec}:planned-{proposer.tree.name}"] = proposer
+            else:
+                methods[f"{spec}:{shape}"] = FeatureProposer(head, rt.model, parse_shape(shape))
     stats = {name: {"tokens": 0, "seconds": 0.0, "row_steps": 0, "accepted": 0.0, "per_prompt": []}
              for name in methods}
     for name, proposer in methods.items():  # warm-up
