@@ -7,6 +7,7 @@ global label count, so N processes compute the same update as one.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -90,7 +91,15 @@ def init_dist(cfg: TrainConfig) -> Dist:
             deepspeed.init_distributed(dist_backend=backend)
         else:
             dist.init_process_group(backend)
+        # A process group still alive when the interpreter tears down may abort the process ("terminate
+        # called without an active exception") after training has finished: close it first.
+        atexit.register(_close_process_group)
     return Dist(dist.get_rank(), dist.get_world_size(), device)
+
+
+def _close_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ---- data -----------------------------------------------------------------------------------------
