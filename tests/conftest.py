@@ -60,3 +60,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The embedded model's tokenizer (the server tests' tiny runtimes speak it)."""
+    from test_serve import embedded_tokenizer
+
+    return embedded_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def rt(tokenizer):
+    """A tiny random runtime with random Medusa heads, one per test module."""
+    from test_serve import tiny_runtime
+
+    return tiny_runtime(tokenizer)

@@ -83,16 +83,6 @@ def running_server(app, timeout: float = 30.0) -> Iterator[str]:
         thread.join(timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return embedded_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def rt(tokenizer):
-    return tiny_runtime(tokenizer)
-
-
 def serve(rt, **overrides):
     base = dict(dtype="fp32", max_batch=8, max_context=512, default_max_tokens=16)
     return running_server(create_app(ServeConfig(**{**base, **overrides}), rt))

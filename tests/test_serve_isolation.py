@@ -14,21 +14,11 @@ from medusa.sampling import SamplingParams
 from serve.app import create_app
 from serve.config import ServeConfig
 from serve.scheduler import Event, Request
-from test_serve import _metric, _wait, alone, embedded_tokenizer, running_server, tiny_runtime
+from test_serve import _metric, _wait, alone, running_server
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 PROMPTS = ["The sea is", "Once upon a time there was", "Numbers: one two", "Write a short poem about rain"]
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return embedded_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def rt(tokenizer):
-    return tiny_runtime(tokenizer)
 
 
 @pytest.fixture(scope="module")

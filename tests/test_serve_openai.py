@@ -14,19 +14,9 @@ import torch
 
 from conftest import mixed_prompts, tiny_model
 from serve.app import Shape
-from test_serve import CLIENT_TIMEOUT, _wait, alone, chat_ids, client, embedded_tokenizer, serve, tiny_runtime
+from test_serve import CLIENT_TIMEOUT, _wait, alone, chat_ids, client, serve
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return embedded_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def rt(tokenizer):
-    return tiny_runtime(tokenizer)
 
 
 @pytest.fixture(scope="module")
