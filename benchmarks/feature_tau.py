@@ -32,7 +32,7 @@ def trained_tokens(head_dir: Path) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from medusa.feature_heads import FeatureHead, FeatureProposer, parse_shape
+    from medusa.decoding.feature_heads import FeatureHead, FeatureProposer, parse_shape
     from medusa.prompts import mtbench_prompts
     from medusa.runtime import Runtime
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             if shape == "planned":  # what --mode medusa picks at batch size 1 from the calibrated curve
                 from dataclasses import replace
 
-                from medusa.feature_runtime import feature_proposer
+                from medusa.runtime.feature import feature_proposer
 
                 proposer = feature_proposer(replace(rt, feature=head), None)
                 methods[f"{spec}:planned-{proposer.tree.name}"] = proposer

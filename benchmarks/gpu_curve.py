@@ -6,7 +6,7 @@
 The target is memory-bound at small batch sizes: a Llama of about 1.1B parameters (hidden 2048, 16
 layers, 32 query / 8 KV heads, intermediate 5632, vocabulary 32000) built on the device with random
 weights (a pass costs the same whatever the weights hold), run through medusa's own Transformer. For every
-batch size B and tokens per row T, `medusa.costmodel.measure_forward` times one target pass with the full
+batch size B and tokens per row T, `medusa.runtime.timing.measure_forward` times one target pass with the full
 vocabulary projection after a 256-token prefix (fastest of `--repeats` rounds, as calibration does).
 Beside it, at the same batch sizes:
 
@@ -136,7 +136,7 @@ def machine(device: torch.device) -> dict:
         return {"device": "cuda", "name": props.name, "capability": f"{props.major}.{props.minor}",
                 "memory_gib": round(props.total_memory / 2**30, 1), "cuda": torch.version.cuda,
                 "torch": torch.__version__}
-    from medusa.hardware import cpu_name
+    from medusa.decoding.hardware import cpu_name
 
     return {"device": "cpu", "name": cpu_name() or platform.machine(),
             "threads": torch.get_num_threads(), "torch": torch.__version__}
@@ -147,10 +147,10 @@ def _oom(exc: BaseException) -> bool:
 
 
 def measure(args, acc: dict, shape) -> dict:
-    from medusa.costmodel import measure_forward, measure_heads
-    from medusa.feature_heads import FeatureHead, FeatureHeadConfig, HeadRunner, draft_pass_ms
-    from medusa.heads import HeadsConfig, MedusaHeads
-    from medusa.transformer import Transformer
+    from medusa.runtime.timing import measure_forward, measure_heads
+    from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig, HeadRunner, draft_pass_ms
+    from medusa.decoding.heads import HeadsConfig, MedusaHeads
+    from medusa.decoding.transformer import Transformer
 
     dtype, dev = DTYPES[args.dtype], args.device
     start = time.perf_counter()
@@ -203,7 +203,7 @@ def measure(args, acc: dict, shape) -> dict:
 
 def predictions(m: dict, acc: dict, shape, feature_tau: float) -> dict:
     """Per batch size: predicted speedup of each method, the best Medusa tree, and each crossover."""
-    from medusa.costmodel import Latency, crossover, predict
+    from medusa.eval.costmodel import Latency, crossover, predict
 
     model = {"latency_ms": {"target": Latency(m["grid"]).to_dict(), "draft": Latency(m["draft_grid"]).to_dict(),
                             "heads": {str(b): ms for b, ms in m["heads_ms"].items()}},
@@ -244,7 +244,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from medusa.feature_heads import parse_shape
+    from medusa.decoding.feature_heads import parse_shape
 
     args = parse_args(argv)
     acc = acceptance(args.eval_json)

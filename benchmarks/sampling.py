@@ -14,10 +14,10 @@ import statistics
 
 import torch
 
-from medusa.draft import DraftProposer, load_draft
+from medusa.decoding.draft import DraftProposer, load_draft
 from medusa.prompts import load_prompts
 from medusa.runtime import Runtime
-from medusa.sampling import SamplingParams
+from medusa.decoding.sampling import SamplingParams
 
 
 def main() -> None:

@@ -28,6 +28,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from medusa.io import write_json_atomic
+
 HOST = "127.0.0.1"
 POLICIES = {"on": "medusa", "off": "plain", "dynamic": "dynamic"}
 
@@ -235,9 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(table, levels))
     print(json.dumps(result["verdict"], indent=1))
     if args.out:
-        tmp = Path(args.out).with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, args.out)
+        write_json_atomic(args.out, result, indent=1)
     return 0
 
 

@@ -397,8 +397,8 @@ def judge_mismatches(args: argparse.Namespace, mismatches: list[dict], solo: dic
     prompt + the common prefix of the two answers, and measure the batch-shape rounding itself."""
     import torch
 
-    from medusa.hardware import resolve_dtype
-    from medusa.model import load_target
+    from medusa.decoding.hardware import resolve_dtype
+    from medusa.decoding.model import load_target
 
     dtype = resolve_dtype(args.dtype, torch.device("cpu")).torch
     model, _ = load_target(args.model, dtype, torch.device("cpu"))

@@ -15,8 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from train.config import load_config
-from train.trainer import run_training
+from medusa.train.config import load_config
+from medusa.train.trainer import run_training
 
 
 def measure(config: str, steps: int, cached: bool, batch: int, seqs: int, subset: int | None) -> dict:

@@ -9,56 +9,12 @@ import json
 import os
 import sys
 
-from .errors import MedusaError
-from .hardware import DTYPE_CHOICES
+from medusa.errors import MedusaError
+from medusa.runtime.auto import describe_auto
+from medusa.runtime.args import add_model_args, add_sampling_args, sampling_from_args
 
 # Subcommands that live elsewhere register themselves through `add_parser(subparsers)`.
-EXTERNAL_COMMANDS = ["medusa.bench", "medusa.calibrate", "medusa.evaluate", "train.cli", "serve.cli"]
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct), a model "
-                   "directory, a .gguf file or a hub id")
-    p.add_argument("--heads", default="default", help="heads directory (Medusa heads, or feature heads: ours or an "
-                   "EAGLE-1/EAGLE-3 layout), 'default' (shipped), 'feature' (shipped feature heads) or 'none'")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,bf16,fp16,fp32}",
-                   help="auto (default): bf16 where the hardware multiplies it natively, fp32 elsewhere")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = no limit")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--acceptance", default=None, choices=["greedy", "rejection", "typical"],
-                   help="how speculative candidates are accepted when sampling (default: rejection, "
-                        "lossless; greedy when temperature is 0)")
-    p.add_argument("--typical-epsilon", type=float, default=0.3)
-    p.add_argument("--typical-delta", type=float, default=0.09)
-
-
-def sampling_from_args(args: argparse.Namespace):
-    from .sampling import SamplingParams
-
-    acceptance = args.acceptance or ("greedy" if args.temperature == 0 else "rejection")
-    try:
-        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                              acceptance=acceptance, typical_epsilon=args.typical_epsilon,
-                              typical_delta=args.typical_delta)
-    except MedusaError as exc:
-        raise MedusaError(f"--{str(exc).split()[0].replace('_', '-')}: {exc}") from None
-
-
-def int_list(text: str) -> list[int]:
-    """argparse type: comma-separated positive integers."""
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
+EXTERNAL_COMMANDS = ["medusa.eval.bench", "medusa.runtime.calibrate", "medusa.eval.evaluate", "medusa.train.cli", "medusa.serve.cli"]
 
 
 def package_version() -> str:
@@ -73,7 +29,7 @@ def package_version() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="medusa", description="Self-speculative decoding with Medusa heads")
     # The deepspeed launcher puts `--local_rank=N` before the subcommand; the rank's device comes from
-    # the LOCAL_RANK variable every launcher sets (train.trainer.rank_device), so the flag is only accepted.
+    # the LOCAL_RANK variable every launcher sets (medusa.train.trainer.rank_device), so the flag is only accepted.
     parser.add_argument("--local_rank", "--local-rank", dest="launcher_local_rank", type=int, default=None,
                         help=argparse.SUPPRESS)
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
@@ -109,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .runtime import Runtime
+    from medusa.runtime import Runtime
 
     if args.max_new_tokens <= 0:
         raise MedusaError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
@@ -145,16 +101,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"--- [{i}] ({len(o['token_ids'])} tokens, {o['finish_reason']})\n{o['text']}")
     print("--- stats: " + ", ".join(f"{k}={v}" for k, v in stats.items()))
     return 0
-
-
-def describe_auto(rt, auto, batch_size: int) -> str:
-    """One line: the machine, and what auto mode will do at this batch size and why."""
-    where = rt.machine.describe()
-    if auto is None:
-        return f"medusa: auto mode on {where}: plain decoding (no heads for this model)"
-    p = auto.plan(batch_size)
-    what = f"Medusa with {p.tree.name} ({p.tree.size} tokens per pass)" if p.tree is not None else "plain decoding"
-    return f"medusa: auto mode on {where}, batch size {batch_size}: {what}; {p.reason}"
 
 
 if __name__ == "__main__":

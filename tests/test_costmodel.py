@@ -5,8 +5,9 @@ import json
 import pytest
 
 from medusa.cli import main
-from medusa.costmodel import (Latency, LatencyFit, alpha_from_acceptance, analytic_speedup, best_k, crossover,
-                              expected_accepted, pays, predict)
+from medusa.eval.costmodel import (alpha_from_acceptance, analytic_speedup, best_k, crossover, expected_accepted, pays,
+                                   predict)
+from medusa.runtime.timing import Latency, LatencyFit
 from medusa.errors import MedusaError
 
 
@@ -148,7 +149,7 @@ def test_latency_fit_keeps_coefficients_non_negative():
 
 
 def test_measured_speedups_decide_where_they_exist():
-    from medusa.evaluate import apply_measurements
+    from medusa.eval.evaluate import apply_measurements
 
     model = {"recommendation": {"1": "plain", "2": "plain", "64": "medusa"}, "best_tree": {"1": "tree-16"}}
     results = [

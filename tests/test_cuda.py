@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from conftest import hf_greedy, mixed_prompts, tiny_model
-from medusa.engine import Engine
-from medusa.proposers import MedusaProposer
-from medusa.transformer import (RMSNorm, Transformer, attention_dtype, cache_dtype, mirrored_norm,
+from medusa.decoding.engine import Engine
+from medusa.decoding.proposers import MedusaProposer
+from medusa.decoding.transformer import (RMSNorm, Transformer, attention_dtype, cache_dtype, mirrored_norm,
                                 pack_weights)
-from medusa.tree import chain, load_tree
+from medusa.decoding.tree import chain, load_tree
 
 cuda = pytest.mark.cuda
 CUDA = torch.device("cuda")
@@ -221,7 +221,7 @@ def test_a_greedy_medusa_step_waits_for_the_device_at_most_three_times():
 def test_sampling_on_cuda_has_the_target_distribution(kind):
     """Rejection acceptance on the GPU samples exactly the target's distribution (plain sampling, a Medusa
     tree, a chain drawn from a wrong distribution); the same test rejects typical acceptance there."""
-    from medusa.sampling import SamplingParams
+    from medusa.decoding.sampling import SamplingParams
     from test_sampling import (PARAMS, SampledChain, chi_square_pvalue, exact_pairs, random_heads, sample_pairs,
                                small_model)
 
@@ -300,8 +300,8 @@ def test_training_on_cuda_matches_the_cpu(tmp_path, monkeypatch):
     """One process training on the GPU (fp32, no TF32) computes the heads one process computes on the CPU."""
     _training_prerequisites()
     from test_train_distributed import _same_heads
-    from train.config import load_config
-    from train.trainer import run_training
+    from medusa.train.config import load_config
+    from medusa.train.trainer import run_training
     from train_helpers import fake_distilled, save_tiny_model, write_config
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
@@ -329,8 +329,8 @@ def test_two_processes_on_two_gpus_match_one(tmp_path):
         pytest.skip(f"needs 2 CUDA devices (one per rank), this machine has {torch.cuda.device_count()}")
     _training_prerequisites()
     from test_train_distributed import _launch, _same_heads
-    from train.config import load_config
-    from train.trainer import run_training
+    from medusa.train.config import load_config
+    from medusa.train.trainer import run_training
     from train_helpers import fake_distilled, save_tiny_model, write_config
 
     model = save_tiny_model(tmp_path / "model")

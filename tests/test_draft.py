@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from conftest import hf_greedy, mixed_prompts, tiny_model
-from medusa.draft import DraftProposer, load_draft, save_truncated, truncated_model
-from medusa.engine import Engine
+from medusa.decoding.draft import DraftProposer, load_draft, save_truncated, truncated_model
+from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.transformer import Transformer
+from medusa.decoding.transformer import Transformer
 
 MAX_NEW = 24
 
@@ -143,7 +143,7 @@ def test_reduced_vocabulary_draft(target, tmp_path):
 @pytest.mark.slow
 def test_embedded_draft_and_lookup_match_plain(embedded):
     """The real model and chat template (fp32): a cut-down draft and prompt lookup change no token."""
-    from medusa.lookup import LookupProposer
+    from medusa.decoding.lookup import LookupProposer
 
     rt = embedded
     prompts = rt.encode(["Name three colours.", "Repeat after me: the quick brown fox jumps over the lazy dog.",
@@ -156,7 +156,7 @@ def test_embedded_draft_and_lookup_match_plain(embedded):
 
 
 def test_draft_training_helpers():
-    from medusa.draft_train import choose_vocab, collate, coverage, make_examples
+    from medusa.train.draft import choose_vocab, collate, coverage, make_examples
 
     pairs = [([1, 2, 3], [7, 7, 8, 9]), ([4] * 30, [5, 6])]
     vocab = choose_vocab(pairs, 50, 5, always=[49])

@@ -4,10 +4,10 @@ node selection always yields a tree."""
 import pytest
 import torch
 
-from medusa.dynamic_tree import Pool, row_trees, select_nodes, verify_greedy, verify_sampled
-from medusa.sampling import MODE_REJECTION
-from medusa.tree import Tree, chain
-from medusa.verifier import GreedyVerifier, SamplingVerifier
+from medusa.decoding.dynamic_tree import Pool, row_trees, select_nodes, verify_greedy, verify_sampled
+from medusa.decoding.sampling import MODE_REJECTION
+from medusa.decoding.tree import Tree, chain
+from medusa.decoding.verifier import GreedyVerifier, SamplingVerifier
 
 STATIC = Tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 0, 0]], name="t")
 
@@ -119,10 +119,10 @@ def test_selection_keeps_parents_and_dead_nodes_are_never_accepted():
 @pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
 def test_medusa_heads_with_dynamic_trees_match_plain(batch_size):
     from conftest import mixed_prompts, tiny_model
-    from medusa.dynamic_tree import MedusaDynamicProposer
-    from medusa.engine import Engine
-    from medusa.heads import HeadsConfig, MedusaHeads
-    from medusa.transformer import Transformer
+    from medusa.decoding.dynamic_tree import MedusaDynamicProposer
+    from medusa.decoding.engine import Engine
+    from medusa.decoding.heads import HeadsConfig, MedusaHeads
+    from medusa.decoding.transformer import Transformer
 
     model = tiny_model("llama", vocab=16)
     engine = Engine(Transformer(model), eos_token_ids=None)

@@ -7,10 +7,10 @@ import torch
 
 from conftest import hf_greedy
 from medusa.cli import main
-from medusa.heads import HeadsConfig, MedusaHeads
-from medusa.model import embedded_gguf, resolve_model_dir
-from medusa.proposers import MedusaProposer
-from medusa.tree import load_tree
+from medusa.decoding.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.model import embedded_gguf, resolve_model_dir
+from medusa.decoding.proposers import MedusaProposer
+from medusa.decoding.tree import load_tree
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "List three prime numbers and explain why they are prime."]
@@ -93,7 +93,7 @@ def test_cli_heads_for_another_model(embedded, tmp_path, capsys):
 def test_auto_mode_plans_from_the_shipped_heads_and_decodes_losslessly(embedded, tmp_path, monkeypatch):
     """Auto mode on the real model: calibrates (a short sweep, into a temporary file), predicts from the
     shipped heads' eval.json, and, whatever it picks per step, gives plain decoding's tokens (fp32)."""
-    from medusa import calibrate
+    from medusa.runtime import calibrate
 
     monkeypatch.setattr(calibrate, "TOKENS", [1, 2, 4, 8, 16])
     monkeypatch.setattr(calibrate, "REPEATS", 2)
@@ -114,7 +114,7 @@ def test_auto_mode_plans_from_the_shipped_heads_and_decodes_losslessly(embedded,
 
 
 def test_generate_auto_json_reports_machine_dtype_and_plan(embedded, capsys, tmp_path, monkeypatch):
-    from medusa import calibrate
+    from medusa.runtime import calibrate
 
     monkeypatch.setattr(calibrate, "TOKENS", [1, 2, 4, 8, 16])
     monkeypatch.setattr(calibrate, "REPEATS", 2)

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from conftest import hf_greedy, mixed_prompts, tiny_model
-from medusa.engine import Engine
-from medusa.heads import HeadsConfig, MedusaHeads
-from medusa.proposers import MedusaProposer
-from medusa.transformer import Transformer
-from medusa.tree import Tree, chain, load_tree
+from medusa.decoding.engine import Engine
+from medusa.decoding.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.proposers import MedusaProposer
+from medusa.decoding.transformer import Transformer
+from medusa.decoding.tree import Tree, chain, load_tree
 
 MAX_NEW = 24
 # A fixed 16-node, 4-deep tree (the shipped trees follow the trained heads and may change shape).
@@ -177,7 +177,7 @@ def test_remove_cancels_a_row():
 
 @pytest.mark.parametrize("pack", [False, True])
 def test_linear_and_fused_residual_match_reference(pack):
-    from medusa.transformer import Linear, packing_available
+    from medusa.decoding.transformer import Linear, packing_available
 
     lin = torch.nn.Linear(64, 300, bias=True).to(torch.bfloat16)
     if pack and not packing_available(lin.weight):
@@ -246,7 +246,7 @@ def test_forward_matches_hf_logits(arch, dtype, rows):
     """The lean forward (fused projections, rotary in place, the norm's low-precision kernel) gives the
     HF model's logits, for a prompt pass and for the one-token passes of decoding, with K/V kept in fp32
     (small caches on CPU) or in the model dtype."""
-    from medusa.transformer import FP32_ATTENTION_ROWS
+    from medusa.decoding.transformer import FP32_ATTENTION_ROWS
 
     exact = tiny_model(arch, seed=5)
     model = tiny_model(arch, seed=5).to(dtype)
@@ -289,7 +289,7 @@ def test_forward_matches_hf_logits(arch, dtype, rows):
 def test_rmsnorm_matches_hf(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from medusa.transformer import RMSNorm
+    from medusa.decoding.transformer import RMSNorm
 
     hf = LlamaRMSNorm(96, eps=1e-5).to(dtype)
     torch.nn.init.normal_(hf.weight, mean=1.0, std=0.5)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import hf_greedy, mixed_prompts, tiny_model
-from medusa.engine import Engine
+from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.feature_heads import FeatureHead, FeatureHeadConfig, FeatureProposer, TreeShape, read_kind
-from medusa.sampling import SamplingParams
-from medusa.transformer import Transformer
+from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig, FeatureProposer, TreeShape, read_kind
+from medusa.decoding.sampling import SamplingParams
+from medusa.decoding.transformer import Transformer
 
 MAX_NEW = 24
 V = 16  # a small vocabulary: random heads hit often enough that rows accept different numbers of tokens
@@ -185,7 +185,7 @@ def test_native_round_trip(small, tmp_path):
 
 
 def test_eagle1_layout_keys_and_round_trip(tmp_path):
-    from medusa.feature_formats import save_eagle
+    from medusa.decoding.feature_formats import save_eagle
     from safetensors.torch import load_file
 
     model = tiny_model("llama")
@@ -210,7 +210,7 @@ def test_eagle1_layout_keys_and_round_trip(tmp_path):
 
 
 def test_eagle3_layout_keys_and_round_trip(tmp_path):
-    from medusa.feature_formats import save_eagle
+    from medusa.decoding.feature_formats import save_eagle
     from safetensors.torch import load_file
 
     model = tiny_model("llama")
@@ -240,7 +240,7 @@ def test_eagle3_layout_keys_and_round_trip(tmp_path):
 
 
 def test_eagle_layout_of_the_wrong_style_is_refused(tmp_path):
-    from medusa.feature_formats import save_eagle
+    from medusa.decoding.feature_formats import save_eagle
 
     model = tiny_model("llama")
     with pytest.raises(MedusaError, match="eagle3-style"):
@@ -251,7 +251,7 @@ def test_eagle_layout_of_the_wrong_style_is_refused(tmp_path):
 
 
 def test_unrolled_mask_is_what_a_draft_sees():
-    from train.feature import unrolled_mask
+    from medusa.train.feature import unrolled_mask
 
     t = 5
     m = unrolled_mask(3, t, torch.float32, "cpu")[0, 0] == 0
@@ -277,7 +277,7 @@ def tiny_run(tmp_path_factory):
 def _feature_config(root, model, data, run, **extra):
     import yaml
 
-    from train.feature import load_feature_config
+    from medusa.train.feature import load_feature_config
 
     cfg = {"model": str(model), "dtype": "fp32", "run_dir": str(run), "threads": 2,
            "data": {"sources": ["sharegpt"], "distill_dir": str(data), "use": "distilled", "eval_fraction": 0.2},
@@ -290,7 +290,7 @@ def _feature_config(root, model, data, run, **extra):
 
 
 def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path):
-    from train.feature import run_feature_training
+    from medusa.train.feature import run_feature_training
     from transformers import AutoModelForCausalLM
 
     root, model_dir, data = tiny_run
@@ -312,7 +312,7 @@ def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path):
     spec = engine.generate(prompts, 16, FeatureProposer(head, engine.model, TreeShape(8, 3, 3)))
     assert [o.tokens for o in spec.outputs] == [hf_greedy(model, p, 16) for p in prompts]
     # `medusa export --format eagle` writes the EAGLE-1 layout, which loads back to the same head.
-    from train.export import export
+    from medusa.train.export import export
 
     out = export(run / "head", tmp_path / "eagle1", "eagle")
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
@@ -325,7 +325,7 @@ def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path):
 def test_shipped_feature_config_validates():
     from pathlib import Path
 
-    from train.feature import load_feature_config
+    from medusa.train.feature import load_feature_config
 
     for path in sorted((Path(__file__).resolve().parent.parent / "configs" / "feature").glob("*.yaml")):
         load_feature_config(path)
@@ -360,8 +360,8 @@ def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, 
     with pytest.raises(MedusaError, match="dynamic"):
         rt.proposer("medusa", "tree-8")
     # Medusa heads take dynamic trees too.
-    from medusa.dynamic_tree import MedusaDynamicProposer
-    from medusa.heads import HeadsConfig, MedusaHeads
+    from medusa.decoding.dynamic_tree import MedusaDynamicProposer
+    from medusa.decoding.heads import HeadsConfig, MedusaHeads
 
     (tmp_path / "medusa").mkdir()
     MedusaHeads(HeadsConfig(64, 97, 3, 1)).save(tmp_path / "medusa")
@@ -371,7 +371,7 @@ def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, 
     spec = mrt.engine.generate(prompts, 12, dyn)
     assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
     # The evaluator's `feature` method, beside a runtime without heads.
-    from medusa.evaluate import EvalConfig, Methods
+    from medusa.eval.evaluate import EvalConfig, Methods
 
     bare = Runtime.load(str(model_dir), heads="none", dtype="fp32", device="cpu")
     cfg = EvalConfig(methods=[{"method": "feature", "heads": str(tmp_path / "head"), "tree": "dynamic-6x3"}])
@@ -408,7 +408,7 @@ def test_fused_layer_features_are_the_targets_hidden_states():
 
 
 def test_fused_eagle3_training_runs_and_decodes(tiny_run, tmp_path):
-    from train.feature import run_feature_training
+    from medusa.train.feature import run_feature_training
     from transformers import AutoModelForCausalLM
 
     root, model_dir, data = tiny_run

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from medusa.cli import main
 from medusa.errors import MedusaError
-from medusa.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.heads import HeadsConfig, MedusaHeads
 from train_helpers import VOCAB, save_tiny_model
 
 HIDDEN, HEADS, LAYERS = 64, 3, 2
@@ -29,7 +29,7 @@ CANDIDATES = torch.tensor([2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37])
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """A tiny target saved as a checkpoint directory, and the same model loaded."""
-    from medusa.model import load_target
+    from medusa.decoding.model import load_target
 
     directory = save_tiny_model(tmp_path_factory.mktemp("target") / "model")
     model, _ = load_target(str(directory), "fp32", "cpu")

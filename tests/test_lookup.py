@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from conftest import mixed_prompts, tiny_model
-from medusa.engine import Engine
+from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.lookup import LookupProposer, propose_from
-from medusa.transformer import Transformer
+from medusa.decoding.lookup import LookupProposer, propose_from
+from medusa.decoding.transformer import Transformer
 
 
 def test_copies_the_continuation_of_the_latest_longest_match():

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from conftest import hf_greedy, mixed_prompts, tiny_model
-from medusa.engine import Engine
+from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.heads import HeadsConfig, MedusaHeads
-from medusa.proposers import MedusaProposer
-from medusa.sampling import SamplingParams
-from medusa.transformer import Transformer
-from medusa.tree import chain, load_tree
+from medusa.decoding.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.proposers import MedusaProposer
+from medusa.decoding.sampling import SamplingParams
+from medusa.decoding.transformer import Transformer
+from medusa.decoding.tree import chain, load_tree
 
 V = 8
 PROMPT = [1, 2, 3]

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from serve.app import create_app
-from serve.config import ServeConfig
+from medusa.serve.app import create_app
+from medusa.serve.config import ServeConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 CLIENT_TIMEOUT = 60
@@ -30,17 +30,17 @@ VOCAB = 49152  # the embedded tokenizer's vocabulary, so real text round-trips
 def embedded_tokenizer():
     from transformers import AutoTokenizer
 
-    from medusa.model import resolve_model_dir
+    from medusa.decoding.model import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir("default"))
 
 
 def tiny_runtime(tokenizer, seed: int = 0, heads: bool = True, device: str = "cpu"):
     """A Runtime over a tiny random Llama with the embedded tokenizer and random Medusa heads."""
-    from medusa.engine import Engine
-    from medusa.heads import HeadsConfig, MedusaHeads
-    from medusa.runtime import Runtime, eos_ids
-    from medusa.transformer import Transformer
+    from medusa.decoding.engine import Engine
+    from medusa.decoding.heads import HeadsConfig, MedusaHeads
+    from medusa.runtime.runtime import Runtime, eos_ids
+    from medusa.decoding.transformer import Transformer
 
     model = tiny_model("llama", seed=seed, vocab=VOCAB).to(device)
     model.config.eos_token_id = tokenizer.eos_token_id
@@ -532,7 +532,7 @@ def test_prefill_budget_spreads_admission_over_steps(rt):
                                     policy={"mode": "plain"}), rt).state.server
     sched = server.scheduler
     sched.batch = rt.engine.new_batch(8, sched.capacity, 256)
-    from serve.scheduler import Request
+    from medusa.serve.scheduler import Request
 
     lengths = [20, 20, 20, 5, 100, 10]
     for n in lengths:

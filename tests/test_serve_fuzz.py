@@ -13,9 +13,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from serve.app import ApiError, create_app, load_json, parse_body
-from serve.config import ServeConfig
-from serve.protocol import ChatCompletionRequest, CompletionRequest
+from medusa.serve.app import ApiError, create_app, load_json, parse_body
+from medusa.serve.config import ServeConfig
+from medusa.serve.protocol import ChatCompletionRequest, CompletionRequest
 from test_serve import embedded_tokenizer, running_server, tiny_runtime
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -10,10 +10,10 @@ import httpx
 import pytest
 import torch
 
-from medusa.sampling import SamplingParams
-from serve.app import create_app
-from serve.config import ServeConfig
-from serve.scheduler import Event, Request
+from medusa.decoding.sampling import SamplingParams
+from medusa.serve.app import create_app
+from medusa.serve.config import ServeConfig
+from medusa.serve.scheduler import Event, Request
 from test_serve import _metric, _wait, alone, running_server
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -286,7 +286,7 @@ def test_row_ending_in_its_prefill_keeps_its_own_token(rt, tokenizer):
     """A row whose first token is EOS finishes inside the prefill and leaves the batch there, and a row
     prefilled with it moves into its slot: each must still be handed its own token (the finished row once
     got its neighbour's first token, which the soak saw as an empty answer turning into one token)."""
-    from medusa.engine import Engine
+    from medusa.decoding.engine import Engine
     from medusa.runtime import Runtime
 
     a, b = (tokenizer(p)["input_ids"] for p in PROMPTS[:2])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import mixed_prompts, tiny_model
-from serve.app import Shape
+from medusa.serve.app import Shape
 from test_serve import CLIENT_TIMEOUT, _wait, alone, chat_ids, client, serve
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -127,8 +127,8 @@ def collect_logprobs(engine, prompts: list[list[int]], proposer, k: int, max_new
 def test_engine_logprobs_are_the_same_with_and_without_speculation():
     """Rows accepting different numbers of candidates per step (an oracle proposer over a deep tree): each
     emitted token's logprob and top-5 equal those of plain decoding (fp32), and the model's own."""
-    from medusa.engine import Engine
-    from medusa.transformer import Transformer
+    from medusa.decoding.engine import Engine
+    from medusa.decoding.transformer import Transformer
     from test_engine import DEEP_TREE, OracleProposer
 
     model = tiny_model("llama")
@@ -152,8 +152,8 @@ def test_engine_logprobs_are_the_same_with_and_without_speculation():
 
 
 def test_no_logprobs_asked_means_none_computed():
-    from medusa.engine import Engine
-    from medusa.transformer import Transformer
+    from medusa.decoding.engine import Engine
+    from medusa.decoding.transformer import Transformer
 
     engine = Engine(Transformer(tiny_model("llama")), eos_token_ids=None)
     batch = engine.new_batch(2, 64, 8)
@@ -283,7 +283,7 @@ def test_vllm_speculation_counters_are_consistent(rt):
 
 def test_serving_flags_and_version(capsys):
     from medusa.cli import main
-    from serve.cli import add_parser
+    from medusa.serve.cli import add_parser
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
@@ -299,9 +299,9 @@ def test_serving_flags_and_version(capsys):
 
 def test_shape_reports_unlikely_tokens_at_a_json_floor(rt):
     """A token the model rules out has logprob -inf, which JSON cannot carry: it is reported at -9999."""
-    from serve.app import Server
-    from serve.config import ServeConfig
-    from serve.scheduler import Event
+    from medusa.serve.app import Server
+    from medusa.serve.config import ServeConfig
+    from medusa.serve.scheduler import Event
 
     server = Server(ServeConfig(dtype="fp32", policy={"mode": "plain"}), rt)
     body = argparse.Namespace(logprobs_k=lambda: 1, return_token_ids=False, return_tokens_as_token_ids=True)

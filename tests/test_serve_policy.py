@@ -7,8 +7,8 @@ import json
 import pytest
 
 from medusa.errors import MedusaError
-from serve.config import PolicyConfig, load_config
-from serve.policy import Decision, SpeculationPolicy
+from medusa.serve.config import PolicyConfig, load_config
+from medusa.serve.policy import Decision, SpeculationPolicy
 
 PLAIN = Decision("plain", None, "test")
 
@@ -217,7 +217,7 @@ def test_shipped_configs_are_valid():
 def test_engine_threads_leave_a_core(monkeypatch):
     import torch
 
-    from serve.cli import set_engine_threads
+    from medusa.serve.cli import set_engine_threads
 
     before = torch.get_num_threads()
     try:
@@ -235,9 +235,9 @@ def test_engine_threads_leave_a_core(monkeypatch):
 def test_calibrated_plans_set_watermarks_and_trees():
     """The auto mode's plans (speculate with a tree at 1-2 rows, plain from 4) become the dynamic
     policy's defaults when no cost-model file is given."""
-    from medusa.auto import Plan
-    from medusa.tree import Tree
-    from serve.policy import CostModel
+    from medusa.runtime.auto import Plan
+    from medusa.decoding.tree import Tree
+    from medusa.serve.policy import CostModel
 
     big, small = Tree([[0], [1], [0, 0]], name="auto-3"), Tree([[0]], name="auto-1")
     plans = [Plan(1, big, 1.4, 1.6, ""), Plan(2, small, 1.1, 1.3, ""), Plan(4, None, 1.0, 1.0, ""),

@@ -27,7 +27,7 @@ def tiny(tmp_path_factory):
 
 # ---- configuration ----------------------------------------------------------------------------------
 def test_config_rejects_unknown_and_bad_keys(tmp_path):
-    from train.config import load_config
+    from medusa.train.config import load_config
 
     path = tmp_path / "c.yaml"
     path.write_text("optim:\n  lrr: 0.1\n")
@@ -47,7 +47,7 @@ def test_config_rejects_unknown_and_bad_keys(tmp_path):
 
 
 def test_shipped_configs_validate():
-    from train.config import load_config
+    from medusa.train.config import load_config
 
     for path in sorted((REPO / "configs" / "train").glob("*.yaml")):
         load_config(path)
@@ -55,8 +55,8 @@ def test_shipped_configs_validate():
 
 # ---- labels and hidden states -----------------------------------------------------------------------
 def test_labels_only_on_answer_tokens_and_table_agrees():
-    from train.data import example, head_labels, pad_batch
-    from train.hidden import build_table
+    from medusa.train.data import example, head_labels, pad_batch
+    from medusa.train.hidden import build_table
 
     ex = [example([5, 6, 7], [10, 11, 12, 13], 64), example([8, 9], [20, 21, 22], 64)]
     batch = pad_batch(ex)
@@ -74,9 +74,9 @@ def test_labels_only_on_answer_tokens_and_table_agrees():
 
 def test_hf_last_hidden_state_is_what_the_engine_sees():
     from conftest import tiny_model
-    from medusa.transformer import Transformer
-    from train.data import pad_batch
-    from train.hidden import hf_hidden_fn
+    from medusa.decoding.transformer import Transformer
+    from medusa.train.data import pad_batch
+    from medusa.train.hidden import hf_hidden_fn
 
     model = tiny_model()
     ours = Transformer(model)
@@ -89,10 +89,10 @@ def test_hf_last_hidden_state_is_what_the_engine_sees():
 
 # ---- training ---------------------------------------------------------------------------------------
 def test_train_cached_writes_loadable_heads_eval_and_trees(tiny, tmp_path):
-    from medusa.heads import MedusaHeads
-    from medusa.tree import load_tree
-    from train.config import load_config
-    from train.trainer import run_training
+    from medusa.decoding.heads import MedusaHeads
+    from medusa.decoding.tree import load_tree
+    from medusa.train.config import load_config
+    from medusa.train.trainer import run_training
 
     root, model, data = tiny
     cfg = load_config(write_config(tmp_path / "c.yaml", model, data, tmp_path / "run", epochs=4))
@@ -116,8 +116,8 @@ def test_train_cached_writes_loadable_heads_eval_and_trees(tiny, tmp_path):
 
 
 def test_train_plain_path_and_kl_loss(tiny, tmp_path):
-    from train.config import load_config
-    from train.trainer import run_training
+    from medusa.train.config import load_config
+    from medusa.train.trainer import run_training
 
     root, model, data = tiny
     cfg = load_config(write_config(tmp_path / "c.yaml", model, data, tmp_path / "run", cache_hidden=False,
@@ -126,8 +126,8 @@ def test_train_plain_path_and_kl_loss(tiny, tmp_path):
     result = run_training(cfg)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in result["history"])
     # heads.candidates: the exported heads propose only the 16 most frequent answer tokens
-    from medusa.heads import MedusaHeads
-    from train.distill import load_distilled
+    from medusa.decoding.heads import MedusaHeads
+    from medusa.train.distill import load_distilled
 
     heads = MedusaHeads.load(tmp_path / "run" / "heads")
     counts = torch.bincount(torch.tensor([t for r in load_distilled(data)["response_ids"] for t in r]))
@@ -144,8 +144,8 @@ def _train_cli(config: Path, env_extra: dict | None = None) -> subprocess.Comple
 
 
 def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path):
-    from train.config import load_config
-    from train.trainer import run_training
+    from medusa.train.config import load_config
+    from medusa.train.trainer import run_training
 
     root, model, data = tiny
     straight = run_training(load_config(write_config(tmp_path / "a.yaml", model, data, tmp_path / "a")))
@@ -166,8 +166,8 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path):
 
 
 def test_checkpoint_from_other_head_config_is_refused(tiny, tmp_path):
-    from train.config import load_config
-    from train.trainer import run_training
+    from medusa.train.config import load_config
+    from medusa.train.trainer import run_training
 
     root, model, data = tiny
     run_training(load_config(write_config(tmp_path / "a.yaml", model, data, tmp_path / "run", max_steps=5)))
@@ -182,8 +182,8 @@ def test_checkpoint_from_other_head_config_is_refused(tiny, tmp_path):
 
 
 def test_distill_is_resumable(tiny, tmp_path):
-    from train.config import load_config
-    from train.distill import load_distilled, run_distill
+    from medusa.train.config import load_config
+    from medusa.train.distill import load_distilled, run_distill
 
     root, model, _ = tiny
     prompts = tmp_path / "prompts.txt"
@@ -205,8 +205,8 @@ def test_distill_is_resumable(tiny, tmp_path):
 
 
 def test_vocab_subset_covering_everything_equals_full_softmax(tiny, tmp_path):
-    from train.config import load_config
-    from train.trainer import run_training
+    from medusa.train.config import load_config
+    from medusa.train.trainer import run_training
 
     root, model, data = tiny
     full = run_training(load_config(write_config(tmp_path / "a.yaml", model, data, tmp_path / "a", max_steps=4)))
@@ -221,8 +221,8 @@ def test_vocab_subset_covering_everything_equals_full_softmax(tiny, tmp_path):
 
 def test_medusa2_lora_trains_adapter_and_heads(tiny, tmp_path):
     from safetensors.torch import load_file
-    from train.config import load_config
-    from train.trainer import run_training
+    from medusa.train.config import load_config
+    from medusa.train.trainer import run_training
 
     root, model, data = tiny
     cfg = load_config(write_config(tmp_path / "c.yaml", model, data, tmp_path / "run", cache_hidden=False,
@@ -242,8 +242,8 @@ def test_medusa2_lora_trains_adapter_and_heads(tiny, tmp_path):
 
 
 def test_wandb_offline_writes_locally(tiny, tmp_path, monkeypatch):
-    from train.config import load_config
-    from train.trainer import run_training
+    from medusa.train.config import load_config
+    from medusa.train.trainer import run_training
 
     root, model, data = tiny
     monkeypatch.delenv("WANDB_MODE", raising=False)

@@ -35,8 +35,8 @@ def _launch(config: Path, procs: int, extra: list[str], env_extra: dict | None =
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "ddp"])
 def test_two_processes_match_one(tmp_path, launcher):
-    from train.config import load_config
-    from train.trainer import run_training
+    from medusa.train.config import load_config
+    from medusa.train.trainer import run_training
 
     model = save_tiny_model(tmp_path / "model")
     data = fake_distilled(tmp_path / "data", model, n=16)
@@ -81,8 +81,8 @@ def test_deepspeed_resume_after_kill_matches_uninterrupted_run(tmp_path):
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """A tiny model, its distilled data and the heads one process trains from them (the reference)."""
-    from train.config import load_config
-    from train.trainer import run_training
+    from medusa.train.config import load_config
+    from medusa.train.trainer import run_training
 
     root = tmp_path_factory.mktemp("launchers")
     model = save_tiny_model(root / "model")
@@ -141,7 +141,7 @@ def fake_cuda(monkeypatch):
 
 @pytest.mark.parametrize("local_rank", ["0", "1"])
 def test_each_rank_takes_the_gpu_of_its_local_rank(fake_cuda, monkeypatch, local_rank):
-    from train.trainer import rank_device
+    from medusa.train.trainer import rank_device
 
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     assert rank_device() == torch.device("cuda", int(local_rank))
@@ -150,7 +150,7 @@ def test_each_rank_takes_the_gpu_of_its_local_rank(fake_cuda, monkeypatch, local
 
 def test_rank_device_without_cuda_or_with_too_few_gpus(fake_cuda, monkeypatch):
     from medusa.errors import MedusaError
-    from train.trainer import rank_device
+    from medusa.train.trainer import rank_device
 
     monkeypatch.setenv("LOCAL_RANK", "2")
     with pytest.raises(MedusaError, match="LOCAL_RANK: 2 but this machine has 2 visible CUDA"):
@@ -161,8 +161,8 @@ def test_rank_device_without_cuda_or_with_too_few_gpus(fake_cuda, monkeypatch):
 
 def test_training_loads_the_target_on_the_ranks_device(fake_cuda, monkeypatch):
     """run_training asks for the target on cuda:LOCAL_RANK, not on whatever `cuda` means (GPU 0)."""
-    import train.trainer as trainer
-    from train.config import TrainConfig
+    import medusa.train.trainer as trainer
+    from medusa.train.config import TrainConfig
 
     asked = []
 
@@ -194,7 +194,7 @@ def test_launcher_rank_flags_are_accepted(capsys):
 
 
 def test_checkpoints_carry_the_cuda_generator_where_there_is_one(monkeypatch):
-    from train import checkpoint as ckpt
+    from medusa.train import checkpoint as ckpt
 
     assert "cuda" not in ckpt.rng_state() or torch.cuda.is_available()
     restored = []

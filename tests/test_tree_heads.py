@@ -5,10 +5,10 @@ import torch
 
 from conftest import tiny_model
 from medusa.errors import MedusaError
-from medusa.heads import HeadsConfig, MedusaHeads
-from medusa.proposers import MedusaProposer
-from medusa.tree import Tree, build_tree, chain, load_tree
-from medusa.verifier import GreedyVerifier
+from medusa.decoding.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.proposers import MedusaProposer
+from medusa.decoding.tree import Tree, build_tree, chain, load_tree
+from medusa.decoding.verifier import GreedyVerifier
 
 
 def test_tree_buffers_hand_worked():

@@ -1,0 +1,275 @@
+"""Classic speculative decoding: a separate, smaller draft model proposes a chain of K tokens.
+
+The draft keeps its own KV cache per batch row (`batch.aux["draft"]`). Each `propose` call
+
+1. finds, per row, how much of the draft's cache is still valid: the longest prefix on which the tokens it
+   was computed from equal the row's committed tokens. KV entries depend only on the tokens before them, so
+   a matching prefix is exact: accepted speculative tokens need no recomputation, rejected ones are simply
+   overwritten, and a new request in a reused slot starts from scratch (or from a shared prompt prefix);
+2. catches the draft up on the rest of the committed tokens plus the pending root, all rows in one
+   right-padded block with a causal mask (a long catch-up, e.g. a freshly added prompt, is split into
+   blocks that fit the cache);
+3. runs K-1 single-token greedy steps.
+
+Nothing loops over rows in Python. The verifier sees a chain (`medusa.decoding.tree.chain(K)`), so greedy output is
+token-identical to plain decoding whatever the draft proposes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from medusa.errors import MedusaError
+from medusa.io import ASSETS
+from medusa.decoding.sampling import argmax
+from medusa.decoding.transformer import KVCache, Transformer, _packed
+from medusa.decoding.tree import chain
+
+if TYPE_CHECKING:
+    from medusa.decoding.engine import Batch
+
+AUX_KEY = "draft"
+
+
+class DraftState:
+    """The draft's per-row cache plus the tokens each cached position was computed from."""
+
+    def __init__(self, owner: Transformer, rows: int, capacity: int):
+        self.owner = owner
+        self.cache: KVCache = owner.new_cache(rows, capacity)
+        self.tokens = torch.full((rows, capacity), -1, dtype=torch.long, device=owner.device)
+
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        self.cache.move_rows(src, dst)
+        if src:
+            s = torch.tensor(src, device=self.tokens.device)
+            self.tokens[torch.tensor(dst, device=self.tokens.device)] = self.tokens[s]
+
+
+class DraftProposer:
+    """Greedy chain of `k` tokens from a draft Transformer that shares the target's tokenizer."""
+
+    name = "draft"
+
+    def __init__(self, draft: Transformer, k: int = 4):
+        if k < 1:
+            raise MedusaError(f"draft k must be >= 1, got {k}")
+        self.draft = draft
+        self.k = k
+        self.tree = chain(k)
+        # A draft may score only a subset of the vocabulary (see `vocab_subset_head`): its projection is
+        # the costliest part of a small draft over a large vocabulary.
+        self.head = getattr(draft, "draft_head", None) or draft.lm_head
+        self.vocab = getattr(draft, "draft_vocab", None)
+
+    def _next(self, hidden: torch.Tensor) -> torch.Tensor:
+        best = argmax(self.head(hidden))
+        return self.vocab[best] if self.vocab is not None else best
+
+    def _state(self, batch: "Batch") -> DraftState:
+        state = batch.aux.get(AUX_KEY)
+        # Room for the target's committed prefix, the K speculative slots and one catch-up block.
+        need = batch.cache.capacity + self.k + 1
+        if (not isinstance(state, DraftState) or state.owner is not self.draft
+                or state.cache.rows < batch.cache.rows or state.cache.capacity < need):
+            with torch.inference_mode(False):  # normal tensors: rows are moved outside inference mode too
+                state = DraftState(self.draft, batch.cache.rows, need)
+            batch.aux[AUX_KEY] = state
+        return state
+
+    @torch.inference_mode()
+    def propose(self, batch: "Batch") -> torch.Tensor:
+        n = batch.n
+        rows = slice(0, n)
+        state = self._state(batch)
+        cache = state.cache
+        dev = self.draft.device
+        target_len = batch.cache.lens[rows]
+        # Context the draft must have seen: committed tokens, then the pending root at position target_len.
+        width = int(target_len.max()) + 1
+        ctx = batch.seq[rows, :width].clone()
+        ctx.scatter_(1, target_len[:, None], batch.root[rows, None])
+        ctx_len = target_len + 1
+        cache.lens[rows] = _valid_prefix(state.tokens[rows, :width], ctx, torch.minimum(cache.lens[rows], ctx_len - 1))
+        last = self._catch_up(cache, state, rows, ctx, ctx_len)
+        out = torch.empty(n, self.k, dtype=torch.long, device=dev)
+        token = self._next(last)
+        out[:, 0] = token
+        one = torch.ones(1, 1, dtype=torch.bool, device=dev)
+        for i in range(1, self.k):
+            lens = cache.lens[rows]
+            state.tokens[rows].scatter_(1, lens[:, None], token[:, None])
+            hidden = self.draft(token[:, None], lens[:, None], cache, rows, one)
+            cache.lens[rows] += 1
+            token = self._next(hidden[:, 0])
+            out[:, i] = token
+        return out.to(batch.root.device)
+
+    def _catch_up(self, cache: KVCache, state: DraftState, rows: slice, ctx: torch.Tensor,
+                  ctx_len: torch.Tensor) -> torch.Tensor:
+        """Feed each row ctx[r, cache_len:ctx_len]; return the draft's hidden state after the last one."""
+        n = ctx.shape[0]
+        dev = ctx.device
+        last = torch.zeros(n, self.draft.config.hidden_size, dtype=self.draft.dtype, device=dev)
+        ar = torch.arange(n, device=dev)
+        while True:
+            lens = cache.lens[rows]
+            todo = ctx_len - lens
+            most = int(todo.max())
+            if most <= 0:
+                return last
+            t = min(most, cache.capacity - int(lens.max()))
+            j = torch.arange(t, device=dev)
+            idx = (lens[:, None] + j).clamp(max=ctx.shape[1] - 1)
+            tokens = ctx.gather(1, idx)
+            causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+            hidden = self.draft(tokens, lens[:, None] + j, cache, rows, causal)
+            count = todo.clamp(min=0, max=t)
+            taken = j < count[:, None]
+            tok_rows = state.tokens[rows]
+            slots = (lens[:, None] + j).clamp(max=tok_rows.shape[1] - 1)
+            tok_rows.scatter_(1, slots, torch.where(taken, tokens, tok_rows.gather(1, slots)))  # a view: in place
+            finished = (count > 0) & (count == todo)
+            pick = hidden[ar, (count - 1).clamp(min=0)]
+            last = torch.where(finished[:, None], pick, last)
+            cache.lens[rows] = lens + count
+
+
+def _valid_prefix(cached: torch.Tensor, ctx: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """Per row, the length of the common prefix of `cached` and `ctx`, at most `limit`."""
+    pos = torch.arange(ctx.shape[1], device=ctx.device)
+    differs = (cached != ctx) | (pos[None, :] >= limit[:, None])
+    return torch.where(differs.any(1), differs.long().argmax(1), limit)
+
+
+# ---- building a draft model -------------------------------------------------------------------------
+
+DRAFT_FILES = ("draft.safetensors", "draft.json")
+
+
+def truncated_model(target: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+    """An HF causal LM made of the target's first `num_layers` layers, its final norm and its embeddings.
+
+    The embeddings and lm_head are the target's own tensors (shared, not copied): a truncated draft costs
+    only its layers in memory and on disk.
+    """
+    import copy
+
+    total = len(target.model.layers)
+    if not 1 <= num_layers <= total:
+        raise MedusaError(f"--layers must be between 1 and {total}, got {num_layers}")
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = num_layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:num_layers]
+    draft = type(target)(cfg).to(dtype=target.dtype, device=target.device)
+    draft.model.embed_tokens = target.model.embed_tokens
+    draft.lm_head = target.lm_head
+    for mine, theirs in zip(draft.model.layers, target.model.layers):
+        mine.load_state_dict(theirs.state_dict())
+    draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    return draft.eval().requires_grad_(False)
+
+
+def own_state(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The draft's tensors that are not the target's (everything but embeddings and lm_head)."""
+    return {k: v for k, v in draft.state_dict().items()
+            if not k.startswith(("model.embed_tokens.", "lm_head."))}
+
+
+VOCAB_KEY = "draft_vocab"
+
+
+def save_truncated(draft: torch.nn.Module, directory: str | Path, meta: dict,
+                   vocab: torch.Tensor | None = None) -> Path:
+    """Write the draft's own layers (bf16), its reduced vocabulary if any, and a small JSON; atomic."""
+    from safetensors.torch import save_file
+
+    from medusa.io import write_atomic, write_json_atomic
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous().clone() for k, v in own_state(draft).items()}
+    if vocab is not None:
+        tensors[VOCAB_KEY] = vocab.to("cpu", torch.long).contiguous()
+    info = {"kind": "truncated", "num_layers": len(draft.model.layers),
+            "vocab_subset": None if vocab is None else len(vocab), **meta}
+    write_atomic(directory / DRAFT_FILES[0], lambda p: save_file(tensors, str(p)))
+    write_json_atomic(directory / DRAFT_FILES[1], info)
+    for name in DRAFT_FILES:
+        (directory / name).chmod(0o644)  # temp files are created private; the result is a shared asset
+    return directory
+
+
+SHIPPED_DRAFT = ASSETS / "draft"
+
+
+def load_draft(spec: str, target: torch.nn.Module) -> Transformer:
+    """A draft Transformer for `target` (see `load_draft_hf` for the accepted specs), with its reduced
+    vocabulary head attached when it was trained with one."""
+    hf = load_draft_hf(spec, target)
+    model = Transformer(hf)
+    vocab = getattr(hf, "draft_vocab", None)
+    if vocab is not None:
+        model.draft_vocab = vocab.to(model.device)
+        model.draft_head = _packed(vocab_subset_head(target, vocab))
+    return model
+
+
+def vocab_subset_head(target: torch.nn.Module, vocab: torch.Tensor) -> torch.nn.Linear:
+    """The target's output projection restricted to the token ids in `vocab` (row i scores vocab[i])."""
+    weight = target.get_output_embeddings().weight.detach()
+    head = torch.nn.Linear(weight.shape[1], len(vocab), bias=False, device=weight.device, dtype=weight.dtype)
+    head.weight.data.copy_(weight[vocab.to(weight.device)])
+    return head.requires_grad_(False)
+
+
+def load_draft_hf(spec: str, target: torch.nn.Module) -> torch.nn.Module:
+    """The draft as an HF causal LM (what HF assisted generation takes as `assistant_model`).
+
+    spec: `default` (the shipped truncated draft of the embedded model), `layers:N` (the target's first N
+    layers, untrained), a directory written by `medusa train-draft`, or any HF model directory / hub id
+    sharing the target's tokenizer.
+    """
+    from safetensors.torch import load_file
+
+    if spec.startswith("layers:"):
+        try:
+            n = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise MedusaError(f"--draft: {spec!r}: expected layers:N with an integer N") from None
+        return truncated_model(target, n)
+    directory = SHIPPED_DRAFT if spec == "default" else Path(spec)
+    if (directory / DRAFT_FILES[1]).exists():
+        info = json.loads((directory / DRAFT_FILES[1]).read_text())
+        if info.get("hidden_size", target.config.hidden_size) != target.config.hidden_size:
+            raise MedusaError(f"--draft: {directory} was made for hidden size {info['hidden_size']}, the "
+                              f"target has {target.config.hidden_size}")
+        draft = truncated_model(target, int(info["num_layers"]))
+        state = load_file(str(directory / DRAFT_FILES[0]))
+        vocab = state.pop(VOCAB_KEY, None)
+        missing, unexpected = draft.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith(("model.embed_tokens.", "lm_head."))]
+        if missing or unexpected:
+            raise MedusaError(f"--draft: {directory} does not match the target (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]})")
+        draft = draft.to(target.dtype)
+        if vocab is not None:
+            if int(vocab.max()) >= target.config.vocab_size:
+                raise MedusaError(f"--draft: {directory} scores token ids beyond the target's vocabulary")
+            draft.draft_vocab = vocab.long()
+        return draft
+    if spec == "default":
+        raise MedusaError("--draft default: no shipped draft model; build one with `medusa train-draft` "
+                          "or pass --draft layers:N")
+    from medusa.decoding.model import load_target
+
+    hf, _ = load_target(spec, target.dtype, target.device)
+    if hf.config.vocab_size < target.config.vocab_size:
+        raise MedusaError(f"--draft: {spec} has a vocabulary of {hf.config.vocab_size}, the target "
+                          f"{target.config.vocab_size}; the draft must share the target's tokenizer")
+    return hf

@@ -1,0 +1,414 @@
+"""Dynamic draft trees (EAGLE-2): a different tree per row and per step, verified in one target pass.
+
+A static tree (`medusa.decoding.tree.Tree`) has one shape for every row and every step. A dynamic tree is grown from
+the proposer's own confidence: each draft step expands the top-k children of the frontier, every node is
+scored by the sum of log-probabilities along its path, the k best become the next frontier, and after D
+steps the N best nodes overall are verified. Scores only fall along a path (ties broken towards the
+shallower node), so a kept node's parent is always kept and the selection is a tree.
+
+Shapes differ by row, so the tree tensors carry a row dimension (`RowTrees`, the batched counterpart of
+`TreeBuffers`) and the verification is the batched counterpart of `medusa.decoding.verifier`. Every row has the same
+number of nodes T, so the target pass stays one dense [B, T] block with a [B, T, T] mask. Rows may hold
+*dead* nodes (padding: a row drafting a sampled chain shorter than the others); a dead node sits at depth 1,
+sees only the root and itself, and is on no path and in no child list, so it can never be accepted.
+
+`tree_step` is the engine step for proposers that build such trees (`proposer.owns_step`): the same pass,
+verification, commit and emission as `Engine.step`, with per-row trees. `Engine.step` itself is unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from medusa.decoding.sampling import MODE_TYPICAL, argmax, sample_from
+from medusa.decoding.tree import Tree
+from medusa.decoding.verifier import Verdict
+
+if TYPE_CHECKING:
+    from medusa.decoding.engine import Batch, Engine, StepOutput
+
+NEG = float("-inf")
+
+
+@dataclass
+class RowTrees:
+    """One step's candidate trees, one per row; T nodes per row (root = node 0), D = depth bound.
+
+    tokens:     [n, T-1] long, candidate token of each non-root node
+    mask:       [n, T, T] bool, node i may attend to node j (j is i or an ancestor of i)
+    depth:      [n, T] long, position offset of each node after the committed prefix
+    paths:      [n, T, D+1] long, one root-to-node path per node (the root's and dead nodes' are [0, 0..])
+    path_len:   [n, T] long, non-root nodes on each path (0 for the root and dead nodes)
+    children:   [n, T, C] long, each node's live children in rank order, padded with -1
+    parent:     [n, T] long, each node's parent (the root and dead nodes: 0)
+    proposal:   [n, T-1, V] float or None: the distribution each node's token was drawn from (None: all
+                point masses, i.e. deterministic top-k picks)
+    """
+
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    depth: torch.Tensor
+    paths: torch.Tensor
+    path_len: torch.Tensor
+    children: torch.Tensor
+    parent: torch.Tensor
+    proposal: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.mask.shape[1]
+
+    @property
+    def max_depth(self) -> int:
+        return self.paths.shape[2] - 1
+
+
+def row_trees(tokens: torch.Tensor, parent: torch.Tensor, live: torch.Tensor, depth_bound: int,
+              proposal: torch.Tensor | None = None) -> RowTrees:
+    """Tree tensors from each node's parent.
+
+    tokens [n, T-1], parent [n, T] (node indices; every live node's parent comes before it and is live;
+    parent[:, 0] = 0), live [n, T] bool (live[:, 0] True). Dead nodes get parent 0 and depth 1.
+    """
+    n, t = parent.shape
+    dev = parent.device
+    idx = torch.arange(t, device=dev)
+    parent = torch.where(live, parent, 0)
+    parent[:, 0] = 0
+    # Depth and ancestor sets by repeated parent lookups (D is small).
+    depth = torch.zeros(n, t, dtype=torch.long, device=dev)
+    anc = torch.eye(t, dtype=torch.bool, device=dev).expand(n, t, t).clone()
+    cur = idx.expand(n, t).clone()
+    rows = torch.arange(n, device=dev)[:, None]
+    for _ in range(depth_bound):
+        up = parent.gather(1, cur)
+        moved = cur != 0
+        depth += moved.long()
+        anc[rows, idx[None, :].expand(n, t), up] = True
+        cur = up
+    depth = torch.where(live, depth, 1)
+    depth[:, 0] = 0
+    # paths[b, i, k] = the ancestor of i at depth k (k <= depth[i]), then i repeated.
+    at_depth = depth[:, :, None] == torch.arange(depth_bound + 1, device=dev)  # [n, T(j), D+1]
+    paths = torch.einsum("bij,bjk->bik", (anc & live[:, None, :]).long(), at_depth.long() * idx[None, :, None])
+    beyond = torch.arange(depth_bound + 1, device=dev)[None, None, :] > depth[:, :, None]
+    paths = torch.where(beyond, idx[None, :, None].expand_as(paths), paths)
+    path_len = torch.where(live, depth, 0)
+    paths = torch.where(live[:, :, None], paths, 0)
+    paths[:, 0] = 0
+    # Children in index order (nodes are ordered by rank within their parent).
+    is_child = (parent[:, :, None] == idx[None, None, :]) & live[:, :, None] & (idx[None, :, None] > 0)  # [n,i,p]
+    rank = (is_child.long().cumsum(1) * is_child.long()).sum(-1) - 1  # [n, i]
+    width = max(1, int(is_child.sum(1).max()))
+    children = torch.full((n, t, width), -1, dtype=torch.long, device=dev)
+    has = rank >= 0
+    b_idx = rows.expand(n, t)[has]
+    children[b_idx, parent[has], rank[has]] = idx[None, :].expand(n, t)[has]
+    return RowTrees(tokens, anc, depth, paths, path_len, children, parent, proposal)
+
+
+def select_nodes(pool_score: torch.Tensor, pool_parent: torch.Tensor, pool_depth: torch.Tensor,
+                 num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `num_nodes` best pool entries of each row as tree nodes.
+
+    pool_score [n, P] (cumulative log-prob; -inf: never select), pool_parent [n, P] (pool index, -1 for
+    the root), pool_depth [n, P] (>= 1). Returns (pool index of node i+1 [n, N], parent node index of
+    node i+1 [n, N]; 0 = root); nodes are ordered by depth, then by pool index, so parents come first.
+    """
+    n, p = pool_score.shape
+    dev = pool_score.device
+    # Ties towards shallower nodes, then earlier ones: a child never outranks its parent.
+    key = pool_score - 1e-4 * pool_depth.float()
+    chosen = key.topk(num_nodes, dim=1).indices
+    order = (pool_depth.gather(1, chosen) * p + chosen).argsort(1)
+    chosen = chosen.gather(1, order)
+    node_of = torch.full((n, p), -1, dtype=torch.long, device=dev)
+    node_of.scatter_(1, chosen, torch.arange(1, num_nodes + 1, device=dev).expand(n, num_nodes))
+    par_pool = pool_parent.gather(1, chosen)
+    par_node = torch.where(par_pool >= 0, node_of.gather(1, par_pool.clamp(min=0)), 0)
+    return chosen, par_node.clamp(min=0)
+
+
+# ---- verification --------------------------------------------------------------------------------
+
+
+def verify_greedy(logits: torch.Tensor, tokens: torch.Tensor, trees: RowTrees) -> Verdict:
+    """Longest path whose tokens equal the target's argmax at each parent, per row (cf. GreedyVerifier)."""
+    pred = argmax(logits)  # [n, T]
+    return _greedy_from(pred, tokens, trees)
+
+
+def _greedy_from(pred: torch.Tensor, tokens: torch.Tensor, trees: RowTrees) -> Verdict:
+    n = tokens.shape[0]
+    paths = trees.paths  # [n, P, D+1]
+    _, p, d1 = paths.shape
+    child = tokens.gather(1, paths[:, :, 1:].reshape(n, -1)).view(n, p, d1 - 1)
+    parent_pred = pred.gather(1, paths[:, :, :-1].reshape(n, -1)).view(n, p, d1 - 1)
+    depth = torch.arange(d1 - 1, device=tokens.device)
+    ok = (child == parent_pred) & (depth < trees.path_len[:, :, None])
+    run = ok.long().cumprod(-1).sum(-1)  # [n, P]
+    accepted, best = run.max(-1)
+    path = paths[torch.arange(n, device=tokens.device), best]
+    last = path.gather(1, accepted[:, None])[:, 0]
+    return Verdict(accepted, path, pred.gather(1, last[:, None])[:, 0])
+
+
+def verify_sampled(p: torch.Tensor, tokens: torch.Tensor, trees: RowTrees, sampling, rows: slice) -> Verdict:
+    """Rejection (lossless) or typical acceptance per row, as `SamplingVerifier`, over per-row trees."""
+    rejection = _rejection(p, tokens, trees, sampling, rows)
+    typical = sampling.mode[rows] == MODE_TYPICAL
+    if not bool(typical.any()):
+        return rejection
+    t = _typical(p, tokens, trees, sampling, rows)
+    return Verdict(torch.where(typical, t.accepted, rejection.accepted),
+                   torch.where(typical[:, None], t.path, rejection.path),
+                   torch.where(typical, t.next_token, rejection.next_token))
+
+
+def _rejection(p, tokens, trees: RowTrees, sampling, rows_slice) -> Verdict:
+    """Walk down each row's tree; try a node's children in rank order, accepting child c with probability
+    min(1, r(c) / q_c(c)) (r: the target distribution less the mass of rejected siblings); on rejection
+    r <- norm(max(0, r - q_c)) (a point mass q_c removes c). With no child accepted, sample from r."""
+    n, _, _ = p.shape
+    dev = p.device
+    rows = torch.arange(n, device=dev)
+    depth_max = trees.max_depth
+    width = trees.children.shape[2]
+    proposal = trees.proposal
+    u = sampling.uniform(rows_slice, depth_max * width + 1)
+    cur = torch.zeros(n, dtype=torch.long, device=dev)
+    path = torch.zeros(n, depth_max + 1, dtype=torch.long, device=dev)
+    accepted = torch.zeros(n, dtype=torch.long, device=dev)
+    searching = torch.ones(n, dtype=torch.bool, device=dev)
+    residual = p[rows, cur].clone()
+    for level in range(depth_max):
+        moved = torch.zeros(n, dtype=torch.bool, device=dev)
+        nxt = cur.clone()
+        for i in range(width):
+            child = trees.children[rows, cur, i]
+            trying = searching & ~moved & (child >= 0)
+            if not bool(trying.any()):
+                break
+            c = child.clamp(min=0)
+            tok = tokens[rows, c]
+            r = residual / residual.sum(-1, keepdim=True).clamp(min=1e-30)
+            if proposal is None:
+                q, q_tok = None, torch.ones(n, device=dev)
+            else:
+                q = proposal[rows, (c - 1).clamp(min=0)]
+                q_tok = q[rows, tok]
+            ratio = (r[rows, tok] / q_tok.clamp(min=1e-20)).clamp(max=1.0)
+            ok = trying & (u[:, level * width + i] < ratio)
+            rejected = trying & ~ok
+            if q is None:
+                residual[rows[rejected], tok[rejected]] = 0.0
+            else:
+                residual = torch.where(rejected[:, None], (r - q).clamp(min=0.0), residual)
+            moved |= ok
+            nxt = torch.where(ok, c, nxt)
+        searching &= moved
+        cur = nxt
+        accepted += moved.long()
+        path[:, level + 1] = cur
+        residual = torch.where(moved[:, None], p[rows, cur], residual)
+    for level in range(1, depth_max + 1):
+        path[:, level] = torch.where(accepted >= level, path[:, level], path[:, level - 1])
+    empty = residual.sum(-1) <= 0
+    residual = torch.where(empty[:, None], p[rows, cur], residual)
+    return Verdict(accepted, path, sample_from(residual, u[:, -1]))
+
+
+def _typical(p, tokens, trees: RowTrees, sampling, rows) -> Verdict:
+    n = p.shape[0]
+    entropy = -(p * torch.log(p.clamp(min=1e-20))).sum(-1)  # [n, T]
+    threshold = torch.minimum(sampling.epsilon[rows, None], sampling.delta[rows, None] * torch.exp(-entropy))
+    parent_p = p.gather(1, trees.parent[:, :, None].expand_as(p))
+    node_prob = parent_p.gather(-1, tokens[..., None])[..., 0]  # each node's token under its parent's p
+    node_ok = node_prob > threshold.gather(1, trees.parent)
+    paths = trees.paths
+    _, np_, d1 = paths.shape
+    ok = node_ok.gather(1, paths[:, :, 1:].reshape(n, -1)).view(n, np_, d1 - 1)
+    ok &= torch.arange(d1 - 1, device=p.device) < trees.path_len[:, :, None]
+    run = ok.long().cumprod(-1).sum(-1)
+    accepted, best = run.max(-1)
+    path = paths[torch.arange(n, device=p.device), best]
+    last = path.gather(1, accepted[:, None])[:, 0]
+    u = sampling.uniform(rows, 1)[:, 0]
+    return Verdict(accepted, path, sample_from(p[torch.arange(n, device=p.device), last], u))
+
+
+# ---- the engine step for per-row trees -----------------------------------------------------------
+
+
+class TreeProposer(Protocol):
+    """A proposer that builds a tree per row (`owns_step = True`); `tree` is a stand-in with the largest
+    size and depth it will ever propose (the engine sizes caches from it)."""
+
+    name: str
+    tree: Tree
+    owns_step: bool
+
+    def draft(self, batch: "Batch") -> RowTrees: ...
+
+    def observe(self, batch: "Batch", hidden: torch.Tensor, tokens: torch.Tensor, verdict: Verdict) -> None: ...
+
+
+def tree_step(engine: "Engine", batch: "Batch", proposer: TreeProposer) -> "StepOutput":
+    """One verification pass with per-row trees: what `Engine.step` does for one shared tree."""
+    n = batch.n
+    rows = slice(0, n)
+    trees = proposer.draft(batch)
+    tokens = torch.cat([batch.root[rows, None], trees.tokens.to(batch.root.device)], dim=1)
+    positions = batch.cache.lens[rows, None] + trees.depth
+    hidden = engine.model(tokens, positions, batch.cache, rows, trees.mask)
+    logits = engine.model.lm_head(hidden)
+    if batch.sampling.any_sampling(rows):
+        verdict = verify_sampled(batch.sampling.probs(logits, rows), tokens, trees, batch.sampling, rows)
+    else:
+        verdict = verify_greedy(logits, tokens, trees)
+    proposer.observe(batch, hidden, tokens, verdict)
+    accepted = verdict.accepted
+    committed = tokens.gather(1, verdict.path)
+    lens = batch.cache.lens[rows, None]
+    idx = lens + torch.arange(committed.shape[1], device=lens.device)
+    seq = batch.seq[rows]
+    valid = idx - lens <= accepted[:, None]
+    seq.scatter_(1, idx, torch.where(valid, committed, seq.gather(1, idx)))
+    batch.cache.commit(rows, verdict.path, accepted + 1)
+    last = verdict.path.gather(1, accepted[:, None])[:, 0]
+    batch.hidden[rows] = hidden[torch.arange(n, device=hidden.device), last]
+    batch.root[rows] = verdict.next_token
+    new = torch.cat([committed[:, 1:], verdict.next_token[:, None]], dim=1)
+    new.scatter_(1, accepted[:, None], verdict.next_token[:, None])
+    batch.stats.forward_passes += 1
+    batch.stats.steps += 1
+    batch.stats.row_steps += n
+    batch.stats.add_hist(accepted, proposer.tree.depth + 1)
+    if getattr(batch, "logprobs", None):  # the logits that decided each emitted token: its path's nodes
+        at = verdict.path[:, : new.shape[1]]
+        lp = engine._logprobs(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), new,
+                              batch.logprobs_k())
+        return engine._emit(batch, rows, new, accepted + 1, lp)
+    return engine._emit(batch, rows, new, accepted + 1)
+
+
+def stand_in_tree(nodes: int, depth: int, name: str) -> Tree:
+    """A static tree with `nodes` nodes and depth `depth`: what the engine reads for cache sizing and
+    statistics when the real trees are built per step."""
+    paths = [[0] * d for d in range(1, depth + 1)] + [[i] for i in range(1, nodes - depth + 1)]
+    return Tree(paths, name=name)
+
+
+# ---- growing a dynamic tree ----------------------------------------------------------------------
+
+
+@dataclass
+class Pool:
+    """Every node a dynamic draft generated, per row: P entries, later cut to the N best."""
+
+    tokens: list[torch.Tensor]   # each [n, m] long
+    scores: list[torch.Tensor]   # each [n, m] cumulative log-prob
+    parents: list[torch.Tensor]  # each [n, m] pool index of the parent (-1: root)
+    depths: list[int]
+
+    def add(self, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depth: int) -> int:
+        """Append entries; returns the pool index of the first one."""
+        start = sum(t.shape[1] for t in self.tokens)
+        self.tokens.append(tokens)
+        self.scores.append(scores)
+        self.parents.append(parents)
+        self.depths.append(depth)
+        return start
+
+    def trees(self, num_nodes: int, depth_bound: int, proposal: torch.Tensor | None = None) -> RowTrees:
+        tok = torch.cat(self.tokens, 1)
+        score = torch.cat(self.scores, 1)
+        par = torch.cat(self.parents, 1)
+        dep = torch.cat([torch.full_like(t, d) for t, d in zip(self.tokens, self.depths)], 1)
+        chosen, parent = select_nodes(score, par, dep, num_nodes)
+        live = torch.cat([torch.ones_like(chosen[:, :1], dtype=torch.bool), score.gather(1, chosen) > NEG], 1)
+        parent = torch.cat([torch.zeros_like(parent[:, :1]), parent], 1)
+        q = None
+        if proposal is not None:
+            q = proposal.gather(1, chosen[:, :, None].expand(-1, -1, proposal.shape[2]))
+        return row_trees(tok.gather(1, chosen), parent, live, depth_bound, q)
+
+
+def expand(logp: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                           torch.Tensor]:
+    """Top-k children of each frontier node: logp [n, F, V] -> (token index [n, F*k], cumulative score
+    [n, F*k], frontier slot of the parent [n, F*k])."""
+    n, f, _ = logp.shape
+    top = logp.topk(k, dim=-1)
+    scores = parent_scores[:, :, None] + top.values
+    slot = torch.arange(f, device=logp.device)[None, :, None].expand(n, f, k)
+    return top.indices.reshape(n, -1), scores.reshape(n, -1), slot.reshape(n, -1)
+
+
+# ---- Medusa heads growing a dynamic tree -----------------------------------------------------------
+
+
+class MedusaDynamicProposer:
+    """Medusa heads with a per-row dynamic tree: head d's top-k log-probabilities at the root's hidden state
+    score depth d+1 (they do not depend on the parent, so a row's tree is the N most probable paths
+    through its own top-k lists). Trees adapt to each row's confidence, where a static tree follows the
+    heads' average accuracy."""
+
+    name = "medusa-dynamic"
+    owns_step = True
+
+    def __init__(self, heads, nodes: int, depth: int, topk: int, projection: torch.nn.Module | None = None):
+        from medusa.errors import MedusaError
+
+        if depth > heads.config.num_heads:
+            raise MedusaError(f"a dynamic tree {depth} deep needs {depth} heads, these have {heads.config.num_heads}")
+        if nodes < depth or topk < 1 or topk + (depth - 1) * topk * topk < nodes:
+            raise MedusaError(f"no dynamic tree of {nodes} nodes, depth {depth} and top-{topk}")
+        self.heads, self.projection = heads, projection
+        self.nodes, self.depth, self.topk = nodes, depth, topk
+        self.tree = stand_in_tree(nodes, depth, f"dynamic-{nodes}x{depth}")
+        self._proj: torch.nn.Module | None = None
+
+    def step(self, engine: "Engine", batch: "Batch") -> "StepOutput":
+        return tree_step(engine, batch, self)
+
+    def _log_probs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's top-k (log-prob [D, n, k], token id [D, n, k]) over its candidate vocabulary."""
+        heads, d = self.heads, self.depth
+        ids = heads.candidate_ids
+        if ids is None:
+            logits = heads(hidden, self.projection, d)
+        else:
+            if self._proj is None:
+                from medusa.decoding.transformer import _packed
+
+                w = heads.base_lm_head.weight.detach()[ids]
+                lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+                lin.weight.data.copy_(w)
+                self._proj = _packed(lin.requires_grad_(False))
+            logits = self._proj(torch.stack([block(hidden) for block in heads.blocks[:d]]))
+        top = torch.log_softmax(logits.float(), -1).topk(self.topk, -1)
+        tok = top.indices if ids is None else ids[top.indices]
+        return top.values, tok
+
+    @torch.inference_mode()
+    def draft(self, batch: "Batch") -> RowTrees:
+        n, k = batch.n, self.topk
+        lp, tok = self._log_probs(batch.hidden[:n])
+        dev = lp.device
+        pool = Pool([], [], [], [])
+        start = pool.add(tok[0], lp[0], torch.full_like(tok[0], -1), 1)
+        front_pool, front_score = start + torch.arange(k, device=dev).expand(n, k), lp[0]
+        for d in range(1, self.depth):
+            scores = (front_score[:, :, None] + lp[d][:, None, :]).reshape(n, -1)
+            slot = torch.arange(k, device=dev)[None, :, None].expand(n, k, k).reshape(n, -1)
+            start = pool.add(tok[d].repeat(1, k), scores, front_pool.gather(1, slot), d + 1)
+            best = scores.topk(k, -1).indices
+            front_pool, front_score = start + best, scores.gather(1, best)
+        return pool.trees(self.nodes, self.depth)
+
+    def observe(self, batch: "Batch", hidden: torch.Tensor, tokens: torch.Tensor, verdict: Verdict) -> None:
+        """Nothing to keep: Medusa heads read only the root's hidden state, which the step stores."""

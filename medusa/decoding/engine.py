@@ -1,0 +1,380 @@
+"""The decoding loop shared by the CLI, the evaluator and the server.
+
+A `Batch` holds up to `rows` sequences in one KV cache. Each `Engine.step` runs one target pass over
+every active row: the pending root token plus the proposer's candidate tree (just the root for plain
+decoding), verifies, commits the accepted entries of each row, and retires rows that are done. Rows have
+their own lengths and accept different numbers of tokens; nothing in the step loops over rows in Python.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Protocol
+
+import torch
+
+from medusa.errors import MedusaError
+from medusa.decoding.proposers import Proposer
+from medusa.decoding.sampling import GREEDY, RowSampling, SamplingParams, argmax, sample_from
+from medusa.decoding.transformer import Transformer
+from medusa.decoding.tree import ROOT_ONLY
+from medusa.decoding.verifier import GreedyVerifier, SamplingVerifier
+
+
+@dataclass
+class Stats:
+    forward_passes: int = 0
+    steps: int = 0
+    row_steps: int = 0
+    new_tokens: int = 0
+    accept_hist: list[int] = field(default_factory=list)  # accept_hist[a]: row-steps accepting a candidates
+
+    @property
+    def mean_accepted(self) -> float:
+        """tau: tokens produced per row per verification step (accepted candidates + the target's own)."""
+        return sum((a + 1) * c for a, c in enumerate(self.accept_hist)) / max(self.row_steps, 1)
+
+    def acceptance_by_head(self) -> list[float]:
+        """P(candidate k accepted | candidates before it accepted), k = 0 .. depth-1."""
+        h = self.accept_hist
+        return [sum(h[k + 1:]) / max(sum(h[k:]), 1) for k in range(len(h) - 1)]
+
+    def add_hist(self, accepted: torch.Tensor | list[int], width: int) -> None:
+        if not isinstance(accepted, torch.Tensor):  # values already read to the host
+            accepted = torch.tensor(accepted, dtype=torch.long)
+        counts = torch.bincount(accepted, minlength=width).tolist()
+        if len(self.accept_hist) < len(counts):
+            self.accept_hist += [0] * (len(counts) - len(self.accept_hist))
+        for a, c in enumerate(counts):
+            self.accept_hist[a] += c
+
+
+@dataclass
+class Finished:
+    id: Hashable
+    tokens: list[int]
+    reason: str  # "stop" (EOS) or "length"
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class TokenLogprobs:
+    """The target's log-probabilities at each emitted position: log_softmax of its raw logits (before
+    temperature, top-k/top-p), so they are the same whether or not the tokens came from speculation."""
+
+    token: torch.Tensor       # [n, m] log-probability of the emitted token
+    top_ids: torch.Tensor     # [n, m, k] the k most likely tokens (k = the most any row asked for)
+    top: torch.Tensor         # [n, m, k] their log-probabilities
+
+
+@dataclass
+class StepOutput:
+    ids: list[Hashable]       # request id of each row that took part, in row order
+    tokens: torch.Tensor      # [n, m] new tokens per row (first `counts[r]` valid)
+    counts: torch.Tensor      # [n]
+    finished: list[Finished]
+    # Only when a row asked for them (`Engine.add(..., logprobs=...)`); rows that did not ask get the
+    # same values, which the caller ignores.
+    logprobs: TokenLogprobs | None = None
+
+
+class StepPolicy(Protocol):
+    """Chooses each step's proposer (None: plain) and hears back how the step went (auto mode)."""
+
+    max_tree_size: int
+
+    def choose(self, rows: int) -> Proposer | None: ...
+
+    def observe(self, rows: int, speculative: bool, tau: float, seconds: float) -> None: ...
+
+
+class Batch:
+    """Decoding state of up to `rows` sequences: cache, pending root token and its hidden state, outputs."""
+
+    def __init__(self, model: Transformer, rows: int, capacity: int, max_new_tokens: int):
+        dev = model.device
+        self.cache = model.new_cache(rows, capacity)
+        self.n = 0
+        self.ids: list[Hashable] = []
+        self.root = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=model.dtype, device=dev)
+        self.out = torch.zeros(rows, max_new_tokens + 1, dtype=torch.long, device=dev)
+        self.out_len = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.max_new = torch.zeros(rows, dtype=torch.long, device=dev)
+        # Every row's committed tokens (prompt, then output; the pending root is not included): what
+        # context-based proposers read (prompt lookup) and what a draft model catches up on.
+        self.seq = torch.zeros(rows, capacity, dtype=torch.long, device=dev)
+        # Per-row state that proposers keep beside the batch (e.g. a draft model's KV cache); anything
+        # with `move_rows(src, dst)` is kept in step when rows are compacted.
+        self.aux: dict[str, Any] = {}
+        self.sampling = RowSampling(rows, dev)
+        self.stats = Stats()
+        # Request id -> top-k of the rows that asked for log-probabilities. Empty in the common case, so
+        # a step pays one dict check for the feature.
+        self.logprobs: dict[Hashable, int] = {}
+
+    @property
+    def seq_len(self) -> torch.Tensor:
+        """[n] committed length of each active row (= its KV cache length)."""
+        return self.cache.lens[: self.n]
+
+    @property
+    def free(self) -> int:
+        return self.cache.rows - self.n
+
+    def remove(self, ids: list[Hashable]) -> list[Finished]:
+        """Drop rows (finished, cancelled) and close the gap by moving the last rows into their slots."""
+        slots = sorted(self.ids.index(i) for i in ids)
+        gone = set(slots)
+        done = [Finished(self.ids[s], self.out[s, : int(self.out_len[s])].tolist(), "") for s in slots]
+        keep_n = self.n - len(slots)
+        holes = [s for s in slots if s < keep_n]
+        movers = [s for s in range(keep_n, self.n) if s not in gone]
+        if holes:
+            self.cache.move_rows(movers, holes)
+            for state in (self.sampling, *self.aux.values()):
+                state.move_rows(movers, holes)
+            src, dst = torch.tensor(movers, device=self.root.device), torch.tensor(holes, device=self.root.device)
+            for t in (self.root, self.hidden, self.out, self.out_len, self.max_new, self.seq):
+                t[dst] = t[src]
+            for s, d in zip(movers, holes):
+                self.ids[d] = self.ids[s]
+        del self.ids[keep_n:]
+        self.n = keep_n
+        for f in done:
+            self.logprobs.pop(f.id, None)
+        return done
+
+    def logprobs_k(self) -> int | None:
+        """The largest top-k asked for by an active row, or None when no row asked for log-probabilities."""
+        if not self.logprobs:
+            return None
+        return max(self.logprobs.values())
+
+
+class Engine:
+    def __init__(self, model: Transformer, eos_token_ids: list[int] | int | None, verifier=None):
+        self.model = model
+        eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
+        self.eos = torch.tensor(eos, dtype=torch.long, device=model.device)
+        self.verifier = verifier or GreedyVerifier()
+        self.sampler = SamplingVerifier()
+
+    def new_batch(self, rows: int, capacity: int, max_new_tokens: int) -> Batch:
+        return Batch(self.model, rows, capacity, max_new_tokens)
+
+    @torch.inference_mode()
+    def add(self, batch: Batch, ids: list[Hashable], prompts: list[list[int]],
+            max_new_tokens: int | list[int], sampling: list[SamplingParams] | None = None,
+            logprobs: list[int | None] | None = None) -> StepOutput:
+        """Prefill new rows (right-padded into one pass) and decide each row's first token.
+
+        `logprobs[i]`: None, or k (0..MAX_TOP_LOGPROBS) to get row i's log-probabilities in every
+        StepOutput (the emitted token's and the k most likely)."""
+        if not prompts:
+            return StepOutput([], torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), [])
+        if len(prompts) > batch.free:
+            raise MedusaError(f"batch has room for {batch.free} more rows, {len(prompts)} requested")
+        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        for i, (p, m) in enumerate(zip(prompts, limits)):
+            if not p:
+                raise MedusaError(f"prompt {i} is empty")
+            if m <= 0:
+                raise MedusaError(f"max_new_tokens must be positive, got {m}")
+            if m > batch.out.shape[1] - 1:
+                raise MedusaError(f"max_new_tokens {m} exceeds this batch's limit {batch.out.shape[1] - 1}")
+        for k in logprobs or []:
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise MedusaError(f"top logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {k}")
+        dev = self.model.device
+        k, t = len(prompts), max(len(p) for p in prompts)
+        rows = slice(batch.n, batch.n + k)
+        tokens = torch.zeros(k, t, dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        plen = torch.tensor([len(p) for p in prompts], device=dev)
+        batch.cache.lens[rows] = 0
+        positions = torch.arange(t, device=dev).expand(k, t)
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        hidden = self.model(tokens, positions, batch.cache, rows, causal)
+        for state in list(batch.aux.values()):
+            if hasattr(state, "prefilled"):  # per-row proposer state that reads prompt features (feature heads)
+                state.prefilled(rows, tokens, plen, hidden)
+        last = hidden[torch.arange(k, device=dev), plen - 1]
+        batch.cache.lens[rows] = plen
+        batch.seq[rows, :t] = tokens
+        batch.n += k
+        batch.ids.extend(ids)
+        batch.hidden[rows] = last
+        batch.sampling.set(rows, sampling or [GREEDY] * k)
+        for i, top in zip(ids, logprobs or []):
+            if top is not None:
+                batch.logprobs[i] = top
+        logits = self.model.lm_head(last)
+        if batch.sampling.any_sampling(rows):
+            p = batch.sampling.probs(logits[:, None], rows)[:, 0]
+            batch.root[rows] = sample_from(p, batch.sampling.uniform(rows, 1)[:, 0])
+        else:
+            batch.root[rows] = argmax(logits)
+        batch.out_len[rows] = 0
+        batch.max_new[rows] = torch.tensor(limits, device=dev)
+        batch.stats.forward_passes += 1
+        # A copy: rows that finish here are removed in _emit, which compacts batch.root in place; a view
+        # would then show a finished row the first token of the row moved into its slot.
+        new = batch.root[rows, None].clone()
+        lp = None
+        if batch.logprobs and any(i in batch.logprobs for i in ids):
+            lp = self._logprobs(logits[:, None], new, batch.logprobs_k())
+        return self._emit(batch, rows, new, torch.ones(k, dtype=torch.long, device=dev), lp)
+
+    @torch.inference_mode()
+    def step(self, batch: Batch, proposer: Proposer | None = None) -> StepOutput:
+        """One verification pass over all active rows."""
+        if proposer is not None and getattr(proposer, "owns_step", False):
+            return proposer.step(self, batch)  # per-row dynamic trees: medusa.decoding.dynamic_tree.tree_step
+        n = batch.n
+        rows = slice(0, n)
+        # Read before any of this step's work is queued: on a GPU the host then waits for nothing.
+        sampled = batch.sampling.any_sampling(rows)
+        tree = proposer.tree if proposer is not None else ROOT_ONLY
+        buf = tree.buffers(self.model.device)
+        tokens, proposal = batch.root[rows, None], None
+        if tree.size > 1:
+            candidates = proposer.propose(batch)
+            if isinstance(candidates, tuple):  # (tokens, the distributions they were drawn from)
+                candidates, proposal = candidates
+            tokens = torch.cat([tokens, candidates], dim=1)
+        positions = batch.cache.lens[rows, None] + buf.depth
+        hidden = self.model(tokens, positions, batch.cache, rows, buf.mask)
+        logits = self.model.lm_head(hidden)
+        if sampled:
+            p = batch.sampling.probs(logits, rows)
+            verdict = self.sampler.verify(p, tokens, buf, batch.sampling, rows, proposal)
+        else:
+            verdict = self.verifier.verify(logits, tokens, buf)
+        accepted = verdict.accepted
+        committed = tokens.gather(1, verdict.path)  # root + accepted candidates (+ junk past accepted+1)
+        lens = batch.cache.lens[rows, None]
+        idx = lens + torch.arange(committed.shape[1], device=lens.device)  # < capacity: the pass fitted
+        seq = batch.seq[rows]
+        valid = idx - lens <= accepted[:, None]
+        seq.scatter_(1, idx, torch.where(valid, committed, seq.gather(1, idx)))
+        batch.cache.commit(rows, verdict.path, accepted + 1)
+        last = verdict.path.gather(1, accepted[:, None])[:, 0]
+        batch.hidden[rows] = hidden[torch.arange(n, device=hidden.device), last]
+        batch.root[rows] = verdict.next_token
+        # New output tokens: the accepted candidates followed by the target's own next token.
+        new = torch.cat([committed[:, 1:], verdict.next_token[:, None]], dim=1)
+        new.scatter_(1, accepted[:, None], verdict.next_token[:, None])
+        batch.stats.forward_passes += 1
+        batch.stats.steps += 1
+        batch.stats.row_steps += n
+        lp = None
+        if batch.logprobs:  # the logits that decided each emitted token: those of the nodes on its path
+            at = verdict.path[:, : new.shape[1]]
+            lp = self._logprobs(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), new,
+                                batch.logprobs_k())
+        return self._emit(batch, rows, new, accepted + 1, lp, accepted, tree.depth + 1)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, new: torch.Tensor, k: int) -> TokenLogprobs:
+        """logits [n, m, V] that decided tokens new [n, m] -> their log-probabilities and the top k."""
+        lp = torch.log_softmax(logits.float(), -1)
+        top = lp.topk(k, -1) if k else None
+        empty = lp.new_zeros(*new.shape, 0)
+        return TokenLogprobs(lp.gather(-1, new[..., None])[..., 0],
+                             top.indices if top is not None else empty.long(),
+                             top.values if top is not None else empty)
+
+    def _emit(self, batch: Batch, rows: slice, new: torch.Tensor, count: torch.Tensor,
+              logprobs: TokenLogprobs | None = None, accepted: torch.Tensor | None = None,
+              width: int = 0) -> StepOutput:
+        """Append new tokens to each row's output, cut at EOS / max tokens, retire finished rows.
+
+        `accepted` (candidates accepted per row) goes into the acceptance histogram (`width` bins). The
+        counts, the finish flags and `accepted` reach the host in one read, one wait for the device."""
+        j = torch.arange(new.shape[1], device=new.device)
+        is_eos = torch.isin(new, self.eos) & (j < count[:, None])
+        hit = is_eos.any(1)
+        count = torch.where(hit, is_eos.long().argmax(1) + 1, count)
+        count = torch.minimum(count, batch.max_new[rows] - batch.out_len[rows])
+        out = batch.out[rows]
+        idx = (batch.out_len[rows, None] + j).clamp(max=out.shape[1] - 1)
+        keep = j < count[:, None]
+        out.scatter_(1, idx, torch.where(keep, new, out.gather(1, idx)))
+        batch.out_len[rows] += count
+        length = batch.out_len[rows] >= batch.max_new[rows]
+        read = [count, hit.long(), length.long()] + ([accepted] if accepted is not None else [])
+        host = torch.stack(read).tolist()
+        batch.stats.new_tokens += sum(host[0])
+        if accepted is not None:
+            batch.stats.add_hist(host[3], width)
+        ids = batch.ids[rows]
+        finished = []
+        done = [r for r, (h, full) in enumerate(zip(host[1], host[2])) if h or full]
+        if done:
+            reason = {ids[r]: "stop" if host[1][r] else "length" for r in done}
+            finished = batch.remove([ids[r] for r in done])
+            for f in finished:
+                f.reason = reason[f.id]
+        return StepOutput(ids, new, count, finished, logprobs)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, proposer: Proposer | None = None,
+                 sampling: SamplingParams | list[SamplingParams] | None = None,
+                 policy: "StepPolicy | None" = None) -> "Generation":
+        """Decode a fixed set of prompts to completion (the CLI's and the evaluator's entry point).
+
+        With a `policy` (auto mode) the proposer is chosen per step for the current number of rows, and
+        every step's tokens per row and duration are fed back to it."""
+        if max_new_tokens <= 0:
+            raise MedusaError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+        if not prompts:
+            raise MedusaError("no prompts given")
+        extra = policy.max_tree_size if policy is not None else proposer.tree.size if proposer is not None else 1
+        capacity = max(len(p) for p in prompts) + max_new_tokens + extra + 1
+        batch = self.new_batch(len(prompts), capacity, max_new_tokens)
+        start = time.perf_counter()
+        results: dict[Any, Finished] = {}
+        if isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        for source in (proposer, policy):
+            if source is not None and hasattr(source, "attach"):
+                source.attach(batch)  # before the prefill, so per-row proposer state sees the prompts
+        for f in self.add(batch, list(range(len(prompts))), prompts, max_new_tokens, sampling).finished:
+            results[f.id] = f
+        while batch.n:
+            if policy is None:
+                out = self.step(batch, proposer)
+            else:
+                out = self._timed_step(batch, policy)
+            for f in out.finished:
+                results[f.id] = f
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        mode = "auto" if policy is not None else proposer.name if proposer is not None else "plain"
+        return Generation([results[i] for i in range(len(prompts))], batch.stats, seconds, mode)
+
+    def _timed_step(self, batch: Batch, policy: "StepPolicy") -> StepOutput:
+        rows = batch.n
+        chosen = policy.choose(rows)
+        start = time.perf_counter()
+        out = self.step(batch, chosen)  # reading the accepted counts below waits for the device
+        tau = float(out.counts.float().mean())
+        policy.observe(rows, chosen is not None, tau, time.perf_counter() - start)
+        return out
+
+
+@dataclass
+class Generation:
+    outputs: list[Finished]
+    stats: Stats
+    seconds: float
+    mode: str
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.stats.new_tokens / max(self.seconds, 1e-9)

@@ -1,0 +1,142 @@
+"""Per-request sampling parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from medusa.errors import MedusaError
+
+ACCEPTANCE = ("greedy", "rejection", "typical")
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` with the same first-index rule on ties. On CPU the max kernel is 2-2.5x faster
+    than argmax's over vocabulary-sized bf16 rows, which is ~0.1 ms of every decoding step at batch size 1."""
+    return logits.max(-1).indices
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy. `acceptance` picks how speculative candidates are accepted when
+    sampling: `rejection` keeps the target's distribution exactly, `typical` accepts more (not lossless)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    acceptance: str = "rejection"
+    typical_epsilon: float = 0.3
+    typical_delta: float = 0.09
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise MedusaError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise MedusaError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise MedusaError(f"top_k must be >= 0, got {self.top_k}")
+        if self.acceptance not in ACCEPTANCE:
+            raise MedusaError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {self.acceptance!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.acceptance == "greedy"
+
+
+GREEDY = SamplingParams()
+
+
+# ---- per-row sampling state ---------------------------------------------------------------------------
+
+MODE_GREEDY, MODE_REJECTION, MODE_TYPICAL = 0, 1, 2
+
+
+class RowSampling:
+    """Sampling parameters of every row of a batch as tensors, so a step treats all rows at once.
+
+    Rows with a seed draw their random numbers from their own generator (reproducible whatever else is in
+    the batch); the others share the batch's generator.
+    """
+
+    def __init__(self, rows: int, device: torch.device):
+        self.device = device
+        self.temperature = torch.zeros(rows, device=device)
+        self.top_p = torch.ones(rows, device=device)
+        self.top_k = torch.zeros(rows, dtype=torch.long, device=device)
+        self.mode = torch.zeros(rows, dtype=torch.long, device=device)
+        self.epsilon = torch.zeros(rows, device=device)
+        self.delta = torch.zeros(rows, device=device)
+        self.generators: list[torch.Generator | None] = [None] * rows
+        self.shared = torch.Generator(device=device)
+        self.shared.seed()
+
+    def set(self, rows: slice, params: list[SamplingParams]) -> None:
+        self.temperature[rows] = torch.tensor([p.temperature for p in params], device=self.device)
+        self.top_p[rows] = torch.tensor([p.top_p for p in params], device=self.device)
+        self.top_k[rows] = torch.tensor([p.top_k for p in params], device=self.device)
+        modes = [MODE_GREEDY if p.greedy else MODE_REJECTION if p.acceptance == "rejection" else MODE_TYPICAL
+                 for p in params]
+        self.mode[rows] = torch.tensor(modes, device=self.device)
+        self.epsilon[rows] = torch.tensor([p.typical_epsilon for p in params], device=self.device)
+        self.delta[rows] = torch.tensor([p.typical_delta for p in params], device=self.device)
+        for r, p in zip(range(rows.start, rows.stop), params):
+            gen = None
+            if p.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(p.seed)
+            self.generators[r] = gen
+
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        for t in (self.temperature, self.top_p, self.top_k, self.mode, self.epsilon, self.delta):
+            t[d] = t[s]
+        for a, b in zip(src, dst):
+            self.generators[b] = self.generators[a]
+
+    def any_sampling(self, rows: slice) -> bool:
+        return bool((self.mode[rows] != MODE_GREEDY).any())
+
+    def uniform(self, rows: slice, m: int) -> torch.Tensor:
+        """[n, m] uniforms in [0, 1): per-row generators where seeded, the shared one elsewhere."""
+        idx = range(rows.start or 0, rows.stop)
+        u = torch.rand(len(idx), m, generator=self.shared, device=self.device)
+        for i, r in enumerate(idx):
+            gen = self.generators[r]
+            if gen is not None:  # only seeded rows cost a Python iteration
+                u[i] = torch.rand(m, generator=gen, device=self.device)
+        return u
+
+    def probs(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
+        """Target sampling distribution per row and position: temperature, then top-k, then top-p.
+
+        logits [n, T, V] -> probabilities [n, T, V] (float32). Greedy rows get a one-hot on the argmax so
+        every acceptance rule reduces to greedy acceptance for them.
+        """
+        temp = self.temperature[rows].clamp(min=1e-5)[:, None, None]
+        x = logits.float() / temp
+        top_k, top_p = self.top_k[rows], self.top_p[rows]
+        if bool((top_k > 0).any()):
+            k = torch.where(top_k > 0, top_k, x.shape[-1]).clamp(max=x.shape[-1])
+            kth = x.sort(-1, descending=True).values.gather(-1, (k - 1)[:, None, None].expand(*x.shape[:2], 1))
+            x = x.masked_fill(x < kth, float("-inf"))
+        p = torch.softmax(x, -1)
+        if bool((top_p < 1).any()):
+            sorted_p, order = p.sort(-1, descending=True)
+            before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+            drop = before >= top_p[:, None, None]  # keeps the smallest prefix reaching top_p (>= 1 token)
+            p = p.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+            p = p / p.sum(-1, keepdim=True)
+        greedy = self.mode[rows] == MODE_GREEDY
+        if bool(greedy.any()):
+            onehot = torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
+            p = torch.where(greedy[:, None, None], onehot, p)
+        return p
+
+
+def sample_from(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: p [n, V] (unnormalised is fine), u [n] uniforms -> token ids [n]."""
+    c = p.cumsum(-1)
+    target = (u * c[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(c, target, right=True).squeeze(-1).clamp(max=p.shape[-1] - 1)

@@ -1,0 +1,342 @@
+"""The target's forward pass over a ragged, row-addressable KV cache.
+
+Plain PyTorch for the Llama family (Llama/SmolLM, Qwen2, Qwen3, Mistral), reusing the weights of a loaded
+HF model. Why not call the HF module: at batch size 1 a step of a small model is bound by framework
+overhead (mask construction, cache objects, hooks), not by the weights, and a lean forward with fused
+projections is what makes plain decoding several times faster. Every row of the batch has its own length;
+the tokens of one pass (a prompt chunk, one token, or a whole candidate tree) are written after each row's
+committed prefix and see that prefix plus whatever the pass mask allows inside the block.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from medusa.errors import MedusaError
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+
+
+class KVCache:
+    """Keys and values of every layer in one tensor [layers, 2, rows, kv_heads, capacity, head_dim].
+
+    `lens[r]` is the committed length of row r. Rows are slots: a batch occupies slots [0, n) and
+    finished rows are filled by moving the last rows down, so the active batch stays a contiguous view.
+    """
+
+    def __init__(self, layers: int, rows: int, kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.data = torch.zeros(layers, 2, rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.lens = torch.zeros(rows, dtype=torch.long, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[4]
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[2]
+
+    def commit(self, rows: slice, src: torch.Tensor, count: torch.Tensor) -> None:
+        """Keep block entries `src[b, :]` (offsets after lens) as the next entries of each row; lens += count.
+
+        Entries past `count` are copied too (harmless: they lie beyond the new length) so the move is two
+        tensor ops for all layers, with no per-row loop.
+        """
+        lens = self.lens[rows]
+        n = src.shape[1]
+        if src.device.type == "cpu":  # on the CPU the check costs less than the copy it saves
+            move = not torch.equal(src, torch.arange(n, device=src.device).expand_as(src))
+        else:  # no host read on a GPU: a root-only path never moves, longer paths are copied even in place
+            move = n > 1
+        if move:
+            # Advanced indexing reads and writes only the moved entries in place. (A scatter into the
+            # row-slice view would first copy the whole strided view: time that grows with the cache.)
+            r = torch.arange(rows.start, rows.stop, device=src.device)[:, None]
+            base = lens[:, None]
+            self.data[:, :, r, :, base + torch.arange(n, device=src.device)] = self.data[:, :, r, :, base + src]
+        self.lens[rows] += count
+
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        if src:
+            s, d = torch.tensor(src, device=self.lens.device), torch.tensor(dst, device=self.lens.device)
+            self.data[:, :, d] = self.data[:, :, s]
+            self.lens[d] = self.lens[s]
+
+
+class Transformer(nn.Module):
+    """hidden = forward(tokens, positions, cache, rows, block_mask); logits = lm_head(hidden)."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        cfg = hf_model.config
+        if cfg.model_type not in SUPPORTED:
+            raise MedusaError(f"--model: architecture {cfg.model_type!r} is not supported "
+                              f"(supported: {', '.join(SUPPORTED)})")
+        inner = hf_model.model
+        self.config = cfg
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.embed = inner.embed_tokens
+        self.norm = RMSNorm(inner.norm)
+        self.rotary = inner.rotary_emb
+        self.lm_head = _packed(hf_model.lm_head)
+        self.layers = nn.ModuleList(_Layer(layer, self.head_dim) for layer in inner.layers)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        # Small batches on CPU keep K/V in fp32, the dtype their attention runs in (see FP32_ATTENTION_ROWS):
+        # converting each layer's K/V window at every step would cost more than the attention itself.
+        dtype = cache_dtype(self.device.type, self.dtype, rows)
+        return KVCache(len(self.layers), rows, self.n_kv, capacity, self.head_dim, dtype, self.device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
+                block_mask: torch.Tensor) -> torch.Tensor:
+        """tokens/positions [B, T]; block_mask [T, T] (or [B, T, T]) says which block entries each sees."""
+        b, t = tokens.shape
+        lens = cache.lens[rows]
+        window = int(lens.max()) + t
+        if window > cache.capacity:
+            raise MedusaError(f"sequence of {window} tokens exceeds the cache capacity {cache.capacity}; "
+                              f"lower --max-new-tokens or shorten the prompt")
+        mask, bias = self._pass_masks(lens, block_mask, t, window, cache.data.dtype)
+        slots = lens[:, None] + torch.arange(t, device=tokens.device)  # where this block's K/V go
+        x = self.embed(tokens)
+        rope = _rope_tables(*self.rotary(x, positions))
+        data = cache.data[:, :, rows, :, :window]
+        row_idx = torch.arange(b, device=tokens.device)[:, None]
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, rope, data[i], row_idx, slots, mask, bias)  # (no per-call hook machinery)
+        return self.norm.forward(x)
+
+    def _pass_masks(self, lens: torch.Tensor, block_mask: torch.Tensor, t: int, window: int,
+                    kv_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The pass's attention mask [B, 1, T, L] and, for short passes, its additive form for `_attention`.
+
+        One token of one row sees its whole window: no mask, and the fused kernel is the fastest there.
+        """
+        b = lens.shape[0]
+        if b * t == 1:
+            return None, None
+        rel = torch.arange(window, device=lens.device)[None, :] - lens[:, None]  # [B, L]
+        in_block = (rel >= 0) & (rel < t)
+        bm = block_mask if block_mask.dim() == 3 else block_mask.expand(b, t, t)
+        block_part = torch.gather(bm, 2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, window))
+        mask = ((rel < 0)[:, None, :] | (in_block[:, None, :] & block_part))[:, None]
+        if t > SHORT_BLOCK:
+            return mask, None
+        return mask, _short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv,
+                                       attention_dtype(lens.device.type, self.dtype, kv_dtype, b * t))
+
+
+class _Layer(nn.Module):
+    def __init__(self, hf_layer: nn.Module, head_dim: int):
+        super().__init__()
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.head_dim = head_dim
+        self.ln1, self.ln2 = RMSNorm(hf_layer.input_layernorm), RMSNorm(hf_layer.post_attention_layernorm)
+        self.q_norm = RMSNorm(attn.q_norm) if getattr(attn, "q_norm", None) is not None else None
+        self.k_norm = RMSNorm(attn.k_norm) if getattr(attn, "k_norm", None) is not None else None
+        self.nq = attn.q_proj.out_features // head_dim
+        self.nkv = attn.k_proj.out_features // head_dim
+        # Fused projections: one matmul instead of three (and two) per layer; at batch size 1 each call
+        # costs more in fixed overhead than its weights take to read.
+        self.wqkv = _packed(_fuse(attn.q_proj, attn.k_proj, attn.v_proj))
+        self.wo = _packed(attn.o_proj)
+        self.w13 = _packed(_fuse(mlp.gate_proj, mlp.up_proj))
+        self.w2 = _packed(mlp.down_proj)
+        self.scale = attn.scaling
+
+    def forward(self, x, rope, kv, row_idx, slots, mask, bias):
+        b, t, _ = x.shape
+        d, nq, nkv = self.head_dim, self.nq, self.nkv
+        qkv = self.wqkv.forward(self.ln1.forward(x)).view(b, t, nq + 2 * nkv, d)
+        if self.q_norm is not None:
+            qkv[:, :, :nq] = self.q_norm.forward(qkv[:, :, :nq])
+            qkv[:, :, nq: nq + nkv] = self.k_norm.forward(qkv[:, :, nq: nq + nkv])
+        _rope_(qkv[:, :, : nq + nkv], *rope)  # q and k rotated in one go, in place
+        # K and V of this block go after each row's prefix: they lie side by side in qkv, so one write
+        # stores both.
+        kv[:, row_idx, :, slots] = qkv[:, :, nq:].unflatten(2, (2, nkv)).to(kv.dtype)
+        o = _attention(qkv[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
+        x = self.wo.plus(o, x)
+        gate, up = self.w13.forward(self.ln2.forward(x)).chunk(2, dim=-1)
+        return self.w2.plus(F.silu(gate) * up, x)
+
+
+class RMSNorm(nn.Module):
+    """The model's RMSNorm (x / rms(x) * w) in as few kernels as the backend allows.
+
+    `F.rms_norm` runs about eight kernels on CPU (upcast, square, mean, rsqrt, two multiplies, downcast),
+    and at batch size 1 each costs more to dispatch than to compute. In bf16/fp16 on CPU, layer_norm over
+    [x, -x] is one fused kernel that gives the same result: that vector's mean is zero and its mean square
+    is x's. fp32 and other devices keep the stock op, so fp32 numerics stay those of the HF model.
+    """
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        w = norm.weight.detach()
+        self.eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+        self.register_buffer("weight", w, persistent=False)
+        self.mirrored = mirrored_norm(w.device.type, w.dtype)
+        self.register_buffer("weight2", torch.cat([w, w]) if self.mirrored else None, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mirrored:
+            d = x.shape[-1]
+            return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * d,), self.weight2, None, self.eps)[..., :d]
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+SHORT_BLOCK = 64  # passes of at most this many tokens per row use the matmul attention below
+
+
+# On CPU small passes attend in fp32: its small-matrix kernels are about twice as fast as bf16's at decode
+# shapes. Caches of up to this many rows hold K/V in fp32; larger ones keep the model dtype (their K/V
+# would take twice the memory and bandwidth) and convert for a pass of at most this many tokens in all.
+FP32_ATTENTION_ROWS = 16
+
+
+# ---- per-device choices, as functions of (device type, dtype, rows) so they can be checked anywhere -------
+# On CUDA every one of them is the plain path: cuBLAS weights as stored, the stock RMSNorm, attention and
+# K/V in the model dtype.
+
+
+def cache_dtype(device_type: str, dtype: torch.dtype, rows: int) -> torch.dtype:
+    """K/V dtype of a cache of `rows` rows: fp32 for small caches on CPU, the model dtype elsewhere."""
+    return torch.float32 if device_type == "cpu" and rows <= FP32_ATTENTION_ROWS else dtype
+
+
+def attention_dtype(device_type: str, dtype: torch.dtype, kv_dtype: torch.dtype, rows: int) -> torch.dtype:
+    """dtype of a short pass's matmul attention over `rows` = B*T query tokens: fp32 when the cache is fp32
+    or, on CPU, for small passes; the model dtype otherwise."""
+    fp32 = kv_dtype == torch.float32 or (device_type == "cpu" and rows <= FP32_ATTENTION_ROWS)
+    return torch.float32 if fp32 else dtype
+
+
+def mirrored_norm(device_type: str, dtype: torch.dtype) -> bool:
+    """RMSNorm as one layer_norm kernel over [x, -x]: on CPU in bf16/fp16 only."""
+    return device_type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
+def _short_block_bias(mask: torch.Tensor, kvh: int, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """The pass mask [B, 1, T, L] as the additive [B*KV, G*T, L] term of `_attention`'s score matmul,
+    built once per pass for all layers."""
+    b, _, t, window = mask.shape
+    bias = torch.zeros(b, 1, 1, t, window, dtype=dtype, device=mask.device)
+    bias.masked_fill_(~mask[:, :, None], float("-inf"))
+    return bias.expand(b, kvh, g, t, window).reshape(b * kvh, g * t, window)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [B, T, H, D] over the cache window k/v [B, KV, L, D] -> [B, T, H*D].
+
+    For the short blocks of decoding (a few tokens per row, or candidate trees), batched matmuls with the
+    query heads of each KV group stacked, the scale and the mask folded into the first (`bias`), beat the
+    fused CPU kernel several times over. Long prompt chunks go to scaled_dot_product_attention, which does
+    not materialise the [T, L] scores, and so does a single unmasked query (its fused path is fastest).
+    """
+    b, t, h, d = q.shape
+    kvh, window = k.shape[1], k.shape[2]
+    g = h // kvh
+    if bias is None:
+        o = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=g > 1)
+        return o.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)
+    dtype = q.dtype
+    q, k, v = q.to(bias.dtype), k.to(bias.dtype), v.to(bias.dtype)
+    q = q.reshape(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b * kvh, g * t, d)
+    scores = torch.baddbmm(bias, q, k.reshape(b * kvh, window, d).transpose(1, 2), alpha=scale)
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    o = torch.bmm(p, v.reshape(b * kvh, window, d)).view(b, kvh, g, t, d)
+    return o.permute(0, 3, 1, 2, 4).reshape(b, t, h * d).to(dtype)
+
+
+def _fuse(*linears: nn.Linear) -> nn.Linear:
+    w = torch.cat([lin.weight.data for lin in linears])
+    has_bias = linears[0].bias is not None
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype)
+    fused.weight.data.copy_(w)
+    if has_bias:
+        fused.bias.data.copy_(torch.cat([lin.bias.data for lin in linears]))
+    return fused.requires_grad_(False)
+
+
+class Linear(nn.Module):
+    """A frozen linear layer, with the residual add (`plus`) available as a fused epilogue.
+
+    On CPU the weight is pre-packed for oneDNN once at load (fp32, and bf16 where oneDNN runs it): at
+    batch size 1 a decode step is a chain of matrix-vector products and the packed layout reads the
+    weights markedly faster than the generic path, and the residual add then runs inside the matmul
+    instead of as a separate op. Elsewhere (CUDA) it is a plain `F.linear` followed by the add.
+    """
+
+    # oneDNN's batch-size hint for the packed layout. In fp32 a layout packed for 1 row makes every pass
+    # of 2+ rows (a tree, a batch) 1.5-2.6x dearer than one packed for 4, which costs a 1-row pass
+    # nothing measurable (AVX2 and AVX-512, 576-wide layers: 2 rows 0.27 -> 0.12 ms, vocabulary 13.3 ->
+    # 7.0 ms); in bf16 the hint made no difference and stays at 1.
+    PACK_ROWS = {torch.float32: 4, torch.bfloat16: 1}
+
+    def __init__(self, linear: nn.Linear, pack: bool):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = pack
+        w = linear.weight.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, self.PACK_ROWS.get(w.dtype, 1)) if pack else w
+        self.register_buffer("weight", packed, persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "add")
+        return F.linear(x, self.weight, self.bias) + other
+
+
+def packing_available(weight: torch.Tensor) -> bool:
+    return pack_weights(weight.device.type, weight.dtype)
+
+
+def pack_weights(device_type: str, dtype: torch.dtype) -> bool:
+    """oneDNN-packed weights on CPU only: fp32 always (oneDNN's packed sgemm beats the generic one at the
+    few rows of decoding and tree passes), bf16 where oneDNN runs bf16 kernels."""
+    if device_type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if os.environ.get("MEDUSA_NO_PACK", "") not in ("", "0"):
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
+
+
+def _packed(linear: nn.Linear) -> Linear:
+    return Linear(linear, pack=packing_available(linear.weight))
+
+
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, T, D] shaped for [B, T, H, D] tensors, with rotate_half's sign folded into sin."""
+    half = cos.shape[-1] // 2
+    signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return cos[:, :, None], signed[:, :, None]
+
+
+def _rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """x <- x*cos + rotate_half(x)*sin for x [B, T, H, D], rotate_half being a swap of the two halves."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # flip copies, so x can be updated in place
+    x.mul_(cos).addcmul_(swapped, signed_sin)

@@ -1,0 +1,157 @@
+"""`medusa bench`: decoding speed of HF generate, our plain decoding and Medusa, side by side.
+
+Methods run interleaved (one prompt each in turn, repeated), so machine noise hits all of them alike;
+medians are reported. The verification-cost curve times one target pass over trees of 1..64 nodes after a
+fixed prefix, relative to a plain step of the same engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from medusa.decoding.hardware import DTYPE_CHOICES
+from medusa.decoding.heads import HeadsConfig, MedusaHeads
+from medusa.prompts import load_prompts
+from medusa.decoding.tree import chain, load_tree
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="HF generate vs plain vs Medusa decoding speed, and tree pass cost")
+    p.add_argument("--model", default="default")
+    p.add_argument("--heads", default="default")
+    p.add_argument("--tree", default=None, help="fixed Medusa tree(s) to time beside auto mode, comma-separated "
+                                                "(default: the heads' default tree)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,bf16,fp16,fp32}")
+    p.add_argument("--device", default=None)
+    p.add_argument("--prompts", default="mtbench", help="mtbench, sharegpt or a file")
+    p.add_argument("--num-prompts", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
+    p.add_argument("--feature", default="auto", help="feature heads (EAGLE-style) timed beside Medusa: a "
+                   "directory, 'none', or 'auto' (the shipped ones, when there are any)")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    p.set_defaults(func=run)
+
+
+def time_it(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def tree_pass_curve(rt, sizes=(1, 8, 16, 32, 64), prefix: int = 256, reps: int = 15) -> dict[int, float]:
+    """Median ms of one target pass (plus lm_head) over a tree of each size after `prefix` cached tokens."""
+    model = rt.model
+    dev = model.device
+    trees = {n: (load_tree(f"tree-{n}") if n > 1 else chain(0)) for n in sizes}
+    batch = rt.engine.new_batch(1, prefix + 80, 8)
+    rt.engine.add(batch, [0], [list(range(1000, 1000 + prefix))], 8)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    with torch.inference_mode():
+        for _ in range(reps):
+            for n, tree in trees.items():
+                buf = tree.buffers(dev)
+                tokens = torch.randint(0, 1000, (1, tree.size), device=dev)
+                pos = batch.cache.lens[:1, None] + buf.depth
+                times[n].append(time_it(lambda: model.lm_head(model(tokens, pos, batch.cache, slice(0, 1),
+                                                                     buf.mask))))
+    return {n: statistics.median(v) * 1000 for n, v in times.items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    from medusa.runtime import Runtime
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rt = Runtime.load(args.model, args.heads, args.dtype, args.device)
+    if rt.heads is None and rt.feature is None:
+        # Untrained heads (zero blocks) cost exactly what trained ones cost; only tau is meaningless.
+        print("note: no heads for this model, Medusa runs with untrained heads (speed only, tau meaningless)")
+        rt.heads = MedusaHeads(HeadsConfig(rt.hf_model.config.hidden_size,
+                                           rt.hf_model.get_output_embeddings().weight.shape[0])).attach(rt.hf_model)
+    trees = args.tree.split(",") if args.tree else [None]
+    fixed = {f"medusa:{p.tree.name}": p for p in (rt.proposer("medusa", t) for t in trees)}
+    from medusa.runtime.feature import bench_methods
+
+    fixed.update(bench_methods(rt, args.feature))
+    prompts = rt.encode(load_prompts(args.prompts, args.num_prompts))
+    rt.auto(1)  # calibrate (once per machine) before anything is timed
+    n_new = args.max_new_tokens
+    eos = rt.engine.eos.tolist()
+
+    def hf(p):
+        ids = torch.tensor([p], device=rt.model.device)
+        out = rt.hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                                   do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+        return out.shape[1] - len(p)
+
+    methods = {"plain": lambda p: rt.engine.generate([p], n_new),
+               # Auto mode as a user gets it: a fresh decision and gate per call, probe step included.
+               "auto": lambda p: rt.engine.generate([p], n_new, policy=rt.auto(1, progress=False)),
+               **{name: (lambda p, prop=prop: rt.engine.generate([p], n_new, prop)) for name, prop in fixed.items()}}
+    if not args.no_hf:
+        methods = {"hf_generate": hf, **methods}
+    # Warm-up: first calls allocate and pick kernels.
+    for fn in methods.values():
+        fn(prompts[0][:32])
+    rates: dict[str, list[float]] = {m: [] for m in methods}
+    extra: dict[str, dict] = {m: {"tokens": 0, "forward_passes": 0, "accepted": []} for m in methods}
+    mismatches: dict[str, int] = {m: 0 for m in methods if m not in ("hf_generate", "plain")}
+    for _ in range(args.repeats):
+        for p in prompts:
+            outputs = {}
+            for name, fn in methods.items():
+                start = time.perf_counter()
+                result = fn(p)
+                seconds = time.perf_counter() - start
+                if name == "hf_generate":
+                    tokens = result
+                else:
+                    tokens = result.stats.new_tokens
+                    extra[name]["forward_passes"] += result.stats.forward_passes
+                    extra[name]["accepted"].append(result.stats.mean_accepted)
+                    outputs[name] = result.outputs[0].tokens
+                extra[name]["tokens"] += tokens
+                rates[name].append(tokens / seconds)
+            for name in mismatches:
+                mismatches[name] += outputs[name] != outputs["plain"]
+    curve = tree_pass_curve(rt)
+    ours = [m for m in methods if m != "hf_generate"]
+    res = {"model": rt.hf_model.name_or_path, "dtype": rt.dtype.name, "dtype_reason": rt.dtype.reason,
+           "machine": rt.machine.to_dict(), "device": str(rt.model.device),
+           "threads": torch.get_num_threads(), "prompts": len(prompts), "max_new_tokens": n_new,
+           "auto_plan": rt.auto(1, progress=False).plan(1).to_dict(),
+           "tokens_per_s": {m: statistics.median(v) for m, v in rates.items()},
+           "tokens_per_s_all": rates,
+           "mean_accepted": {m: statistics.median(extra[m]["accepted"]) for m in ours},
+           "forward_passes": {m: extra[m]["forward_passes"] for m in ours},
+           "new_tokens": {m: extra[m]["tokens"] for m in methods},
+           "greedy_mismatches": mismatches, "tree_pass_ms": curve,
+           "tree_pass_vs_plain_step": {n: v / curve[1] for n, v in curve.items()}}
+    tps = res["tokens_per_s"]
+    print(f"model {res['model']} {rt.dtype.name} ({rt.dtype.reason}) on {rt.machine.describe()}, "
+          f"{len(prompts)} prompts x {n_new} new tokens, bs=1, medians of {len(prompts) * args.repeats} runs")
+    plan = res["auto_plan"]
+    print(f"  auto plans {plan['tree'] or 'plain'} at bs 1: {plan['reason']}")
+    for m, v in tps.items():
+        vs = f"{v / tps['plain']:.2f}x plain" if m != "plain" else ""
+        acc = f"tau {res['mean_accepted'][m]:.2f}" if m in res["mean_accepted"] else ""
+        mis = f"greedy mismatches {mismatches[m]}" if m in mismatches else ""
+        print(f"  {m:16s} {v:7.1f} tok/s  {vs:12s} {acc:10s} {mis}")
+    if "hf_generate" in tps:
+        print(f"  plain / hf_generate  = {tps['plain'] / tps['hf_generate']:.2f}x")
+    print("  one target pass over a tree (ms, x plain step): " +
+          ", ".join(f"{n}: {v:.1f} ({v / curve[1]:.2f}x)" for n, v in curve.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0

@@ -1,0 +1,229 @@
+"""Evaluation output: report.json (schema below), report.md (tables) and PNG plots, all written atomically.
+
+report.json
+    model, device, dtype, threads, prompts, num_prompts, max_new_tokens, batch_sizes, repeats, config,
+    sampling ({temperature, top_p, acceptance}, or null when greedy)
+    results: one entry per (method, batch size):
+        method, kind (plain|medusa|draft|lookup|hf|hf_assisted|hf_lookup), batch_size,
+        tokens_per_s_per_user, tokens_per_s_total (+ _min/_max over repeats), time_per_output_token_ms,
+        seconds, new_tokens, repeats, mean_accepted (tau; null for HF), acceptance_by_head (list; null for
+        HF), speedup_vs_plain (total throughput over ours at the same batch size), greedy_mismatches
+        (outputs differing from the reference: our plain for our methods, HF plain for HF's),
+        first_divergence (for each differing output, the index of its first differing token); both null
+        in a sampled run
+    cost_model: latency_ms {target, draft: {grid [[B, T, ms]], fit {a_ms, b_ms_per_row, c_ms_per_token,
+        max_rel_error}}, heads {B: ms}}, acceptance, predicted {B: {plain, medusa, draft, ...}},
+        analytic {B: {c, speedup}}, recommendation {B: medusa|draft|plain}, best_tree {B: name},
+        best_k {B: K}, crossover {medusa, draft}
+    crossover: {medusa: B|null, draft: B|null} predicted; measured_crossover: the same from the runs
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from medusa.io import write_atomic, write_text_atomic
+
+REQUIRED_KEYS = ("model", "device", "dtype", "prompts", "max_new_tokens", "results", "cost_model", "crossover")
+RESULT_KEYS = ("method", "batch_size", "tokens_per_s_per_user", "tokens_per_s_total", "mean_accepted",
+               "acceptance_by_head", "speedup_vs_plain", "greedy_mismatches")
+
+
+def validate(report: dict) -> None:
+    """Raise ValueError naming the first missing or ill-typed field."""
+    for key in REQUIRED_KEYS:
+        if key not in report:
+            raise ValueError(f"report.json: missing key {key!r}")
+    if not isinstance(report["results"], list) or not report["results"]:
+        raise ValueError("report.json: 'results' must be a non-empty list")
+    for i, r in enumerate(report["results"]):
+        for key in RESULT_KEYS:
+            if key not in r:
+                raise ValueError(f"report.json: results[{i}] has no {key!r}")
+        if not isinstance(r["batch_size"], int) or r["batch_size"] < 1:
+            raise ValueError(f"report.json: results[{i}].batch_size must be a positive integer")
+        for key in ("tokens_per_s_per_user", "tokens_per_s_total", "speedup_vs_plain"):
+            if not isinstance(r[key], (int, float)) or r[key] <= 0:
+                raise ValueError(f"report.json: results[{i}].{key} must be a positive number")
+    for key in ("medusa", "draft"):
+        if key not in report["crossover"]:
+            raise ValueError(f"report.json: crossover has no {key!r}")
+
+
+def write_report(report: dict, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    validate(report)
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2, default=_jsonable) + "\n")
+    write_text_atomic(out / "report.md", markdown(report))
+    if report.get("cost_model"):  # on its own too: what `medusa serve --cost-model` reads
+        write_text_atomic(out / "cost_model.json", json.dumps(report["cost_model"], indent=2, default=_jsonable) + "\n")
+    plots(report, out)
+    return out
+
+
+def _jsonable(x):
+    if hasattr(x, "item"):
+        return x.item()
+    raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+def _f(x, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Evaluation: {report['model']}", "",
+             f"device {report['device']}, dtype {report['dtype']}, threads {report.get('threads', '-')}, "
+             f"prompts {report['prompts']} ({report.get('num_prompts', '-')}), "
+             f"max_new_tokens {report['max_new_tokens']}, repeats {report.get('repeats', '-')} "
+             f"(medians; total tok/s range over repeats in brackets)", "",
+             "| method | batch | tok/s per user | tok/s total | ms / token | tau | speedup vs plain | "
+             "acceptance by head | mismatches |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in report["results"]:
+        acc = ", ".join(f"{a:.2f}" for a in r["acceptance_by_head"]) if r.get("acceptance_by_head") else "-"
+        spread = (f" [{_f(r.get('tokens_per_s_total_min'), 1)}-{_f(r.get('tokens_per_s_total_max'), 1)}]"
+                  if "tokens_per_s_total_min" in r else "")
+        lines.append(f"| {r['method']} | {r['batch_size']} | {_f(r['tokens_per_s_per_user'], 1)} | "
+                     f"{_f(r['tokens_per_s_total'], 1)}{spread} | {_f(r.get('time_per_output_token_ms'), 1)} | "
+                     f"{_f(r['mean_accepted'])} | {_f(r['speedup_vs_plain'])} | {acc} | "
+                     f"{_mismatch(r)} |")
+    cm = report.get("cost_model") or {}
+    if cm.get("predicted"):
+        lines += ["", "## Cost model", "", _fit_line(cm), "",
+                  "| batch | predicted medusa | measured medusa | predicted draft | measured draft | "
+                  "analytic draft | best tree | best K | recommendation |",
+                  "|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+        measured = _best_measured(report["results"])
+        for b, row in cm["predicted"].items():
+            bi = int(b)
+            lines.append(f"| {b} | {_f(row.get('medusa'))} | {_f(measured.get(('medusa', bi)))} | "
+                         f"{_f(row.get('draft'))} | {_f(measured.get(('draft', bi)))} | "
+                         f"{_f((cm.get('analytic') or {}).get(b, {}).get('speedup'))} | "
+                         f"{cm['best_tree'].get(b, '-')} | {cm['best_k'].get(b, '-')} | "
+                         f"{cm['recommendation'][b]} |")
+        mc = report.get("measured_crossover", {})
+        lines += ["", f"Crossover (smallest batch size where speculation stops paying): predicted "
+                  f"medusa {_f(report['crossover'].get('medusa'))}, draft {_f(report['crossover'].get('draft'))}; "
+                  f"measured medusa {_f(mc.get('medusa'))}, draft {_f(mc.get('draft'))} (`-`: pays at every "
+                  f"size measured). The analytic column is S = E/(1 + K c) with c the draft/target decode-step "
+                  f"cost ratio: it assumes a (K+1)-token verification pass costs one decoding step, which "
+                  f"holds while a pass is bound by reading weights and fails once it is bound by compute."]
+    return "\n".join(lines) + "\n"
+
+
+def _mismatch(r: dict) -> str:
+    cell = _f(r["greedy_mismatches"])
+    if r.get("first_divergence"):
+        cell += " (first differing token: " + ", ".join(str(d) for d in r["first_divergence"]) + ")"
+    return cell
+
+
+def _fit_line(cm: dict) -> str:
+    parts = []
+    for name in ("target", "draft"):
+        fit = (cm["latency_ms"].get(name) or {}).get("fit")
+        if fit:
+            parts.append(f"{name}: latency(B, T) = {fit['a_ms']:.2f} + {fit['b_ms_per_row']:.3f}·B + "
+                         f"{fit['c_ms_per_token']:.4f}·B·T ms (max error {100 * fit['max_rel_error']:.0f}%)")
+    return "; ".join(parts)
+
+
+def _best_measured(results: list[dict]) -> dict:
+    best: dict = {}
+    for r in results:
+        if r.get("kind") in ("medusa", "draft"):
+            key = (r["kind"], r["batch_size"])
+            best[key] = max(best.get(key, 0.0), r["speedup_vs_plain"])
+    return best
+
+
+def plots(report: dict, out: Path) -> list[Path]:
+    """speedup.png, throughput.png, acceptance.png and (with a cost model) predicted_vs_measured.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    methods = list(dict.fromkeys(r["method"] for r in results))
+    written = []
+
+    def series(key):
+        for m in methods:
+            rows = sorted((r for r in results if r["method"] == m), key=lambda r: r["batch_size"])
+            yield m, [r["batch_size"] for r in rows], [r[key] for r in rows]
+
+    for key, name, ylabel in (("speedup_vs_plain", "speedup.png", "speedup over plain (same batch size)"),
+                              ("tokens_per_s_total", "throughput.png", "aggregate tokens/s")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for m, xs, ys in series(key):
+            ax.plot(xs, ys, marker="o", label=m)
+        if key == "speedup_vs_plain":
+            ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        written.append(_save(fig, out / name))
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for m, xs, ys in series("mean_accepted"):
+        if any(y is not None for y in ys):
+            ax1.plot(xs, ys, marker="o", label=m)
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("batch size")
+    ax1.set_ylabel("tau (tokens per verification step)")
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3)
+    first_bs = min(r["batch_size"] for r in results)
+    for r in results:
+        if r["batch_size"] == first_bs and r.get("acceptance_by_head"):
+            ax2.plot(range(1, len(r["acceptance_by_head"]) + 1), r["acceptance_by_head"], marker="o",
+                     label=r["method"])
+    ax2.set_xlabel("candidate position (head)")
+    ax2.set_ylabel(f"P(accepted | previous accepted), batch {first_bs}")
+    ax2.set_ylim(0, 1)
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
+    written.append(_save(fig, out / "acceptance.png"))
+
+    cm = report.get("cost_model") or {}
+    if cm.get("predicted"):
+        measured = _best_measured(results)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        sizes = sorted(int(b) for b in cm["predicted"])
+        for kind, color in (("medusa", "C0"), ("draft", "C1")):
+            pred = [cm["predicted"][str(b)].get(kind) for b in sizes]
+            if any(p is not None for p in pred):
+                ax.plot(sizes, pred, ls="--", marker="x", color=color, label=f"{kind} predicted")
+                ax.plot(sizes, [measured.get((kind, b)) for b in sizes], marker="o", color=color,
+                        label=f"{kind} measured")
+        analytic = [(cm.get("analytic") or {}).get(str(b), {}).get("speedup") for b in sizes]
+        if any(a is not None for a in analytic):
+            ax.plot(sizes, analytic, ls=":", color="C1", label="draft analytic E/(1+Kc)")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speedup over plain")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        written.append(_save(fig, out / "predicted_vs_measured.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    try:
+        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight"))
+    finally:
+        plt.close(fig)
+    return path

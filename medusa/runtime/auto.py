@@ -1,0 +1,137 @@
+"""`--mode auto`: speculate only where this machine's measured pass costs say it pays, and only while the
+steps themselves confirm it.
+
+The prediction: for a batch of B rows, a tree of N nodes is expected to yield tau tokens per row-step
+(from the heads' held-out rank accuracies, eval.json) and to cost ratio(B, N) one-token passes plus the
+heads (from the calibrated curve, `medusa.runtime.calibrate`). Its predicted speedup over plain decoding is
+
+    S = tau / (ratio(B, N) + heads_ms(B) / pass_ms(B, 1))
+
+Candidates are the heads' own trees and greedy trees of every budget on the curve (so a machine where a
+16-token pass costs 1.1 one-token passes gets a large tree, and one where 3 tokens already cost 2x gets a
+chain or nothing). The best candidate is used when S clears MARGIN; otherwise plain decoding. Then the
+acceptance gate (`medusa.runtime.gate`) times every step: a prediction that measures as a loss switches itself off.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from medusa.runtime.calibrate import Calibration
+from medusa.runtime.gate import AcceptanceGate
+from medusa.decoding.proposers import Proposer
+from medusa.decoding.tree import Tree, build_tree, expected_tau
+
+# Predicted speedups below this are not worth the risk of being wrong: the curve and the accuracies are
+# estimates, and a near-tie gains nothing a user would notice.
+MARGIN = 1.05
+BUDGETS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 63]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What auto mode does at one batch size, and why."""
+
+    batch: int
+    tree: Tree | None  # None: plain decoding
+    speedup: float  # predicted, over plain decoding
+    tau: float  # expected tokens per row-step
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"batch_size": self.batch, "mode": "medusa" if self.tree is not None else "plain",
+                "tree": self.tree.name if self.tree is not None else None,
+                "tree_size": self.tree.size if self.tree is not None else 1,
+                "predicted_speedup": round(self.speedup, 3), "expected_tau": round(self.tau, 3),
+                "reason": self.reason}
+
+
+def read_accuracy(heads) -> list[list[float]] | None:
+    """Heads' (Medusa or feature) held-out rank accuracies, from the eval.json next to them; None when they
+    were not measured."""
+    directory = getattr(heads, "directory", None)
+    path = Path(directory) / "eval.json" if directory is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        acc = json.loads(path.read_text()).get("rank_accuracy")
+    except (ValueError, AttributeError):
+        return None
+    return acc if isinstance(acc, list) and acc and all(isinstance(a, list) and a for a in acc) else None
+
+
+def candidate_trees(accuracy: list[list[float]], named: list[Tree], num_heads: int,
+                    max_topk: int | None = None) -> list[Tree]:
+    """The heads' own trees plus a greedy tree for every budget: the curve decides which size pays."""
+    acc = [row[:max_topk] if max_topk else row for row in accuracy[:num_heads]]
+    built = [build_tree(acc, n, name=f"auto-{n}") for n in BUDGETS]
+    usable = [t for t in named if t.depth <= num_heads and (not max_topk or t.topk <= max_topk)]
+    return usable + [t for t in built if t.size > 1]
+
+
+def plan(cal: Calibration, accuracy: list[list[float]], trees: list[Tree], batch: int) -> Plan:
+    """The best predicted tree for `batch` rows, or plain decoding when none clears MARGIN."""
+    one = cal.ms(batch, 1)
+    heads = cal.heads(batch) / one
+    best: Plan | None = None
+    for tree in trees:
+        tau = expected_tau(tree.nodes, accuracy)
+        cost = cal.ratio(batch, tree.size) + heads
+        speedup = tau / cost
+        if best is None or speedup > best.speedup:
+            best = Plan(batch, tree, speedup, tau,
+                        f"tau {tau:.2f} expected, a {tree.size}-token pass costs {cost:.2f} plain steps")
+    if best is None:
+        return Plan(batch, None, 1.0, 1.0, "no candidate trees")
+    if best.speedup < MARGIN:
+        return Plan(batch, None, 1.0, 1.0, f"best tree {best.tree.name} predicts {best.speedup:.2f}x "
+                                           f"(< {MARGIN}x): {best.reason}")
+    return best
+
+
+class AutoSpeculation:
+    """The engine's per-step choice in auto mode: the plan for the current number of rows, unless the
+    acceptance gate has measured speculation losing there."""
+
+    def __init__(self, plans: Callable[[int], Plan], make_proposer: Callable[[Tree], Proposer],
+                 max_tree_size: int, predicted: bool = True, gate: AcceptanceGate | None = None):
+        """`predicted`: the plans come from a prediction (False: a fixed tree, judged by the gate alone)."""
+        self._plans = plans
+        self.predicted = predicted
+        self._make = make_proposer
+        self._proposers: dict[str, Proposer] = {}
+        self.max_tree_size = max_tree_size
+        self.gate = gate or AcceptanceGate(window=16, min_tau=1.0, retry_after_steps=64)
+        self.steps = {"plain": 0, "speculative": 0}
+        self.events: list[str] = []
+
+    def plan(self, rows: int) -> Plan:
+        return self._plans(rows)
+
+    def choose(self, rows: int) -> Proposer | None:
+        self.gate.tick()
+        p = self._plans(rows)
+        if p.tree is None or self.gate.paused(rows) or self.gate.needs_plain_probe(rows):
+            return None
+        if p.tree.name not in self._proposers:
+            self._proposers[p.tree.name] = self._make(p.tree)
+        return self._proposers[p.tree.name]
+
+    def observe(self, rows: int, speculative: bool, tau: float, seconds: float) -> None:
+        self.steps["speculative" if speculative else "plain"] += 1
+        event = self.gate.observe(rows, speculative, tau, seconds)
+        if event:
+            self.events.append(event)
+
+
+def describe_auto(rt, auto, batch_size: int) -> str:
+    """One line: the machine, and what auto mode will do at this batch size and why."""
+    where = rt.machine.describe()
+    if auto is None:
+        return f"medusa: auto mode on {where}: plain decoding (no heads for this model)"
+    p = auto.plan(batch_size)
+    what = f"Medusa with {p.tree.name} ({p.tree.size} tokens per pass)" if p.tree is not None else "plain decoding"
+    return f"medusa: auto mode on {where}, batch size {batch_size}: {what}; {p.reason}"

@@ -1,0 +1,215 @@
+"""This machine's pass-cost curve: measured once per (model, dtype, device, threads, machine), then cached.
+
+Whether a tree of N candidates pays depends on what one target pass over N+1 tokens per row costs next to
+a one-token pass, and that ratio differs by an order of magnitude between machines: ~1.2x for 8 nodes on a
+CPU with native bf16, ~5x on an AVX2 CPU in bf16 (emulated), close to 1x on a GPU. So the first use times
+one pass for 1..64 tokens per row at the batch sizes that matter (a few seconds, with a progress bar) and
+keeps the curve as JSON under `<cache>/calibration/`. `--mode auto`, the server's dynamic policy and the
+evaluator's cost model all read that one file; `medusa calibrate` measures it on demand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from medusa.io import write_text_atomic
+from medusa.runtime.timing import Latency, measure_forward, measure_heads
+
+VERSION = 3  # bump when what is measured changes, so old files are not read as new ones
+TOKENS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64]
+BATCH_SIZES = [1, 2, 4, 8, 16]
+# A batch size's sweep stops once a pass costs this many one-token passes: heads of depth <= 5 accept at
+# most 6 tokens per step, so no tree past that point can pay.
+STOP_RATIO = 6.0
+PREFIX = 256
+REPEATS = 5
+HEADS_TOPK = 10
+
+
+@dataclass
+class Calibration:
+    """grid[(B, T)] = ms of one target pass (with the lm_head) over T tokens per row for B rows."""
+
+    key: dict
+    grid: dict[tuple[int, int], float] = field(default_factory=dict)
+    heads_ms: dict[int, float] = field(default_factory=dict)
+    path: Path | None = None
+
+    def batch_sizes(self) -> list[int]:
+        return sorted({b for b, _ in self.grid})
+
+    def tokens(self, b: int) -> list[int]:
+        return sorted(t for bb, t in self.grid if bb == b)
+
+    def _nearest_batch(self, b: int) -> int:
+        """The smallest measured batch size >= b (the largest if none): a larger batch makes extra tokens
+        relatively dearer, so reading its curve errs against speculation, never for it."""
+        sizes = self.batch_sizes()
+        i = bisect_left(sizes, b)
+        return sizes[min(i, len(sizes) - 1)]
+
+    def ms(self, b: int, t: int) -> float:
+        """Measured where possible; linear in T between (and past) the measured points of the nearest
+        measured batch size, scaled to b rows by the one-token cost ratio when b itself was not measured."""
+        if (b, t) in self.grid:
+            return self.grid[(b, t)]
+        nb = self._nearest_batch(b)
+        ts = self.tokens(nb)
+        i = min(max(bisect_left(ts, t), 1), len(ts) - 1)
+        if len(ts) == 1:
+            value = self.grid[(nb, ts[0])] * t / ts[0]
+        else:
+            t0, t1 = ts[i - 1], ts[i]
+            m0, m1 = self.grid[(nb, t0)], self.grid[(nb, t1)]
+            value = m0 + (m1 - m0) * (t - t0) / (t1 - t0)
+        if nb != b and (b, 1) in self.grid:
+            value *= self.grid[(b, 1)] / self.grid[(nb, 1)]
+        return max(value, 1e-6)
+
+    def ratio(self, b: int, t: int) -> float:
+        """Cost of a T-token pass over a one-token pass at batch size b (the number speculation must beat)."""
+        return self.ms(b, t) / self.ms(b, 1)
+
+    def heads(self, b: int) -> float:
+        from medusa.runtime.timing import heads_ms
+
+        return heads_ms(self.heads_ms, b)
+
+    def latency(self) -> Latency:
+        """The evaluator's view: the measured grid with its fitted latency model."""
+        return Latency([(b, t, ms) for (b, t), ms in sorted(self.grid.items())])
+
+    def to_dict(self) -> dict:
+        return {"version": VERSION, "key": self.key,
+                "grid": [[b, t, ms] for (b, t), ms in sorted(self.grid.items())],
+                "heads_ms": {str(b): ms for b, ms in sorted(self.heads_ms.items())}}
+
+    @classmethod
+    def from_dict(cls, d: dict, path: Path | None = None) -> "Calibration":
+        return cls(d["key"], {(int(b), int(t)): float(ms) for b, t, ms in d["grid"]},
+                   {int(b): float(ms) for b, ms in d.get("heads_ms", {}).items()}, path)
+
+
+def calibration_key(rt) -> dict:
+    """What a pass's cost depends on: the model's shape, the dtype, the device, the threads, the machine."""
+    cfg = rt.hf_model.config
+    heads = rt.heads.config if rt.heads is not None else None
+    return {"model": str(getattr(rt.hf_model, "name_or_path", "")),
+            "shape": [cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size,
+                      cfg.num_attention_heads, cfg.num_key_value_heads],
+            "dtype": rt.dtype.name, "machine": rt.machine.to_dict(), "torch": torch.__version__,
+            "heads": None if heads is None else [heads.num_heads, heads.num_layers, heads.candidates]}
+
+
+def calibration_path(key: dict) -> Path:
+    from medusa.io import cache_dir
+
+    digest = hashlib.sha256(json.dumps([VERSION, key], sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "calibration" / f"{digest}.json"
+
+
+def load_or_measure(rt, batch_sizes: list[int] | None = None, tokens: list[int] | None = None,
+                    force: bool = False, progress: bool = True) -> Calibration:
+    """The cached curve, measuring only what it lacks. Without `tokens`, a missing batch size is swept over
+    TOKENS up to STOP_RATIO; with `tokens` (the evaluator's grid), exactly those points are added."""
+    key = calibration_key(rt)
+    path = calibration_path(key)
+    cal = Calibration(key, path=path)
+    if path.is_file() and not force:
+        try:
+            cal = Calibration.from_dict(json.loads(path.read_text()), path)
+        except (ValueError, KeyError, TypeError):
+            cal = Calibration(key, path=path)  # a damaged cache file is measured again
+    wanted = sorted(set(batch_sizes or BATCH_SIZES))
+    if tokens is None:
+        todo = {b: TOKENS for b in wanted if b not in cal.batch_sizes()}
+    else:
+        todo = {b: [t for t in sorted(set(tokens) | {1}) if (b, t) not in cal.grid] for b in wanted}
+        todo = {b: ts for b, ts in todo.items() if ts}
+    heads_todo = [b for b in wanted if rt.heads is not None and b not in cal.heads_ms]
+    if not todo and not heads_todo:
+        return cal
+    _measure(rt, cal, todo, heads_todo, stop=tokens is None, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(cal.to_dict(), indent=1))
+    return cal
+
+
+def _measure(rt, cal: Calibration, todo: dict[int, list[int]], heads_todo: list[int], stop: bool,
+             progress: bool) -> None:
+    from tqdm import tqdm
+
+    total = sum(len(ts) for ts in todo.values()) + len(heads_todo)
+    with tqdm(total=total, desc="calibrating pass cost", unit="pass", file=sys.stderr,
+              disable=not progress) as bar:
+        for b, ts in todo.items():
+            ts = sorted(set(ts) | ({1} if stop else set()))
+            for bb, t, ms in measure_forward(rt.model, [b], ts, PREFIX, REPEATS, bar,
+                                             stop_ratio=STOP_RATIO if stop else None):
+                cal.grid[(bb, t)] = ms
+            _monotone(cal, b)
+        if heads_todo:
+            cal.heads_ms.update(measure_heads(rt.heads, rt.model.config.hidden_size, heads_todo, HEADS_TOPK,
+                                              rt.model.dtype, rt.model.device, REPEATS, rt.model.lm_head))
+            bar.update(len(heads_todo))
+
+
+def _monotone(cal: Calibration, b: int) -> None:
+    """More tokens per row never cost less: a point measured below a smaller T's time (noise, or a kernel
+    that happens to suit that shape) takes that time, so no tree looks cheaper than a smaller one."""
+    floor = 0.0
+    for t in cal.tokens(b):
+        floor = max(floor, cal.grid[(b, t)])
+        cal.grid[(b, t)] = floor
+
+
+def curve_table(cal: Calibration) -> str:
+    """The curve as text: one line per batch size, ms of a one-token pass and each T's cost ratio."""
+    lines = []
+    for b in cal.batch_sizes():
+        one = cal.grid[(b, 1)]
+        cells = "  ".join(f"{t}:{cal.grid[(b, t)] / one:.2f}x" for t in cal.tokens(b) if t > 1)
+        lines.append(f"  B={b:<3d} 1 token {one:7.1f} ms   {cells}")
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    from medusa.runtime.args import add_model_args, int_list
+
+    p = sub.add_parser("calibrate", help="measure (or show the cached) pass-cost curve of this machine and "
+                                         "what --mode auto does with it")
+    add_model_args(p)
+    p.add_argument("--batch-sizes", type=int_list, default=BATCH_SIZES, help="comma-separated, e.g. 1,2,4")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--force", action="store_true", help="measure again even if a cached curve exists")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from medusa.runtime import Runtime
+
+    sizes = args.batch_sizes
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rt = Runtime.load(args.model, args.heads, args.dtype, args.device)
+    cal = load_or_measure(rt, sizes, force=args.force, progress=not args.json)
+    auto = rt.auto(max(sizes), progress=False)
+    plans = [auto.plan(b).to_dict() for b in sizes] if auto is not None else []
+    if args.json:
+        print(json.dumps({"path": str(cal.path), **cal.to_dict(), "auto": plans}))
+        return 0
+    print(f"machine: {rt.machine.describe()}, dtype {rt.dtype.name} ({rt.dtype.reason})")
+    print(f"curve ({cal.path}): one target pass over T tokens per row, as a multiple of a 1-token pass")
+    print(curve_table(cal))
+    for p in plans:
+        what = f"{p['tree']} ({p['tree_size']} tokens)" if p["tree"] else "plain"
+        print(f"  auto at B={p['batch_size']}: {what}, predicted {p['predicted_speedup']:.2f}x: {p['reason']}")
+    return 0

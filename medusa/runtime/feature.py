@@ -1,0 +1,159 @@
+"""Feature heads in the runtime: which heads `--heads` names, the proposer, and auto mode's tree size.
+
+`--heads DIR` holding feature heads (`heads.json` with `"kind": "feature"`, or an EAGLE-1/EAGLE-3 layout)
+loads them instead of Medusa heads; `--heads feature` names the shipped ones, and `--heads default` picks
+them over the shipped Medusa heads when their heads.json says `"preferred": true` (set only when they
+measured faster on MT-bench, see the README). A tree for them is `dynamic-N`, `dynamic-NxD` or
+`dynamic-NxDxK` (N nodes, D draft steps, top-K expansion); without one, the size comes from this machine's
+calibrated pass-cost curve and the head's per-step accuracy (eval.json), as auto mode does.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from medusa.runtime.auto import read_accuracy
+from medusa.errors import MedusaError
+from medusa.decoding.feature_heads import (SHIPPED_FEATURE_DIR, FeatureHead, FeatureProposer, HeadRunner, TreeShape,
+                            draft_pass_ms, parse_shape, plan_shape, read_kind)
+
+if TYPE_CHECKING:
+    from medusa.runtime.auto import AutoSpeculation
+    from medusa.runtime import Runtime
+
+DEFAULT_SHAPE = TreeShape(16, 5, 4)  # when nothing was measured: a middle-sized tree
+
+
+def shipped_preferred(hidden_size: int) -> bool:
+    """The shipped feature heads are the default for their model when marked so (they measured faster)."""
+    path = SHIPPED_FEATURE_DIR / "heads.json"
+    if not path.is_file():
+        return False
+    try:
+        info = json.loads(path.read_text())
+    except ValueError:
+        return False
+    return bool(info.get("preferred")) and info.get("hidden_size") == hidden_size
+
+
+def resolve_feature(spec: str | None, hf_model) -> FeatureHead | None:
+    """The feature head `--heads` names, or None when it names Medusa heads (or none)."""
+    if spec in (None, "none"):
+        return None
+    hidden = hf_model.config.hidden_size
+    if spec == "feature" or (spec == "default" and shipped_preferred(hidden)):
+        if not (SHIPPED_FEATURE_DIR / "heads.json").is_file():
+            raise MedusaError("--heads feature: no shipped feature heads in this installation")
+        return FeatureHead.load(SHIPPED_FEATURE_DIR, hf_model)
+    if spec != "default" and Path(spec).is_dir() and read_kind(spec) == "feature":
+        return FeatureHead.load(spec, hf_model)
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _runner(head: FeatureHead, dtype: torch.dtype, device: torch.device) -> HeadRunner:
+    return HeadRunner(head, dtype).to(device)
+
+
+def feature_proposer(rt: "Runtime", tree: str | None = None, batch_size: int = 1) -> FeatureProposer:
+    """`--mode medusa` with feature heads: the named dynamic tree, or the planned one for `batch_size`."""
+    runner = _runner(rt.feature, rt.model.dtype, rt.model.device)
+    if tree is not None:
+        if not str(tree).startswith("dynamic-"):
+            raise MedusaError(f"--tree: feature heads grow dynamic trees; name one as dynamic-N, dynamic-NxD "
+                              f"or dynamic-NxDxK, not {tree!r}")
+        return FeatureProposer(rt.feature, rt.model, parse_shape(str(tree)), runner=runner)
+    auto = feature_auto(rt, batch_size, progress=False)
+    shape = auto.shape_for(batch_size) if auto is not None else None
+    return FeatureProposer(rt.feature, rt.model, shape or DEFAULT_SHAPE, runner=runner)
+
+
+class _FeatureAuto:
+    """AutoSpeculation's plans for a feature head: one planned dynamic tree per batch size."""
+
+    def __init__(self, rt: "Runtime", progress: bool, batch_size: int):
+        from medusa.runtime.calibrate import load_or_measure
+        from medusa.runtime.gate import bucket
+
+        self.rt = rt
+        self.runner = _runner(rt.feature, rt.model.dtype, rt.model.device)
+        self.cal = load_or_measure(rt, [1 << i for i in range(bucket(batch_size).bit_length())], progress=progress)
+        self.accuracy = read_accuracy(rt.feature)
+        self.shapes: dict[str, TreeShape] = {}
+        self._pass_ms = functools.lru_cache(maxsize=None)(
+            lambda rows, tokens: draft_pass_ms(self.runner, rows, tokens))
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019 (one planner per runtime; plans are pure per batch size)
+    def plan(self, rows: int):
+        from medusa.runtime.auto import Plan
+        from medusa.decoding.dynamic_tree import stand_in_tree
+
+        if self.accuracy is None:
+            shape = DEFAULT_SHAPE
+            tree = stand_in_tree(shape.nodes, shape.depth, f"dynamic-{shape.nodes}x{shape.depth}")
+            self.shapes[tree.name] = shape
+            return Plan(rows, tree, 0.0, 0.0, "feature head without eval.json: default dynamic tree, checked "
+                                              "by measurement")
+        plan, shape = plan_shape(self.cal, self.accuracy, rows, self._pass_ms)
+        if shape is not None:
+            self.shapes[plan.tree.name] = shape
+        return plan
+
+    def make(self, tree) -> FeatureProposer:
+        shape = self.shapes.get(tree.name, DEFAULT_SHAPE) if tree is not None else DEFAULT_SHAPE
+        return FeatureProposer(self.rt.feature, self.rt.model, shape, runner=self.runner)
+
+
+def feature_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "AutoSpeculation":
+    """Auto mode with a feature head: the planned dynamic tree per batch size, behind the acceptance gate."""
+    from medusa.runtime.auto import AutoSpeculation
+
+    planner = _FeatureAuto(rt, progress, batch_size)
+    auto = AutoSpeculation(planner.plan, planner.make, 65)  # the largest planned tree: 64 nodes + the root
+    auto.shape_for = lambda rows: planner.shapes.get(getattr(planner.plan(rows).tree, "name", ""))
+    # Engine.generate attaches the head's per-row state before the prefill, so prompts need no second pass.
+    auto.attach = lambda batch: planner.make(None).attach(batch)
+    return auto
+
+
+def method_proposer(rt: "Runtime", heads: str | None, tree: str | None) -> FeatureProposer:
+    """The evaluator's and the benchmark's `feature` method: feature heads from `heads` (default: the
+    runtime's own when it loaded feature heads, else the shipped ones) beside whatever else runs."""
+    from dataclasses import replace
+
+    if heads is None and rt.feature is not None:
+        head = rt.feature
+    else:
+        head = resolve_feature(heads or "feature", rt.hf_model)
+        if head is None:
+            raise MedusaError(f"feature method: {heads} holds no feature heads")
+    return feature_proposer(replace(rt, feature=head), tree)
+
+
+def bench_methods(rt: "Runtime", spec: str) -> dict[str, FeatureProposer]:
+    """`medusa bench --feature`: {'feature:<tree>': proposer} for the named (or shipped) feature heads at
+    their planned tree size for batch size 1; nothing for 'none' or when there are none to time."""
+    if spec == "none" or rt.feature is not None:
+        return {}  # feature heads loaded with --heads already run as the main speculative method
+    if spec == "auto":
+        if not (SHIPPED_FEATURE_DIR / "heads.json").is_file():
+            return {}
+        spec = "feature"
+    proposer = method_proposer(rt, spec, None)
+    return {f"feature:{proposer.tree.name}": proposer}
+
+
+def medusa_dynamic(rt: "Runtime", tree: str):
+    """`--tree dynamic-N[xD[xK]]` with Medusa heads: a per-row dynamic tree (depth at most the heads')."""
+    from medusa.decoding.dynamic_tree import MedusaDynamicProposer
+
+    shape = parse_shape(tree)
+    depth = min(shape.depth, rt.heads.config.num_heads)
+    if shape.topk + (depth - 1) * shape.topk ** 2 < shape.nodes:
+        raise MedusaError(f"--tree {tree}: {rt.heads.config.num_heads} heads cannot grow {shape.nodes} nodes")
+    return MedusaDynamicProposer(rt.heads, shape.nodes, depth, shape.topk, projection=rt.model.lm_head)

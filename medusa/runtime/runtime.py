@@ -1,0 +1,146 @@
+"""One place that turns user choices (model, heads, tree, dtype) into a ready engine.
+
+The CLI, the evaluator and the server all build their engine here, so a flag means the same everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from medusa.decoding.engine import Engine
+from medusa.errors import MedusaError
+from medusa.decoding.hardware import DtypeChoice, Machine, machine, resolve_dtype
+from medusa.decoding.heads import SHIPPED_DIR, MedusaHeads
+from medusa.decoding.model import DEFAULT_MODEL, default_device, load_target
+from medusa.decoding.proposers import MedusaProposer, Proposer
+from medusa.decoding.transformer import Transformer
+from medusa.decoding.tree import DEFAULT_TREE, Tree, load_tree
+
+if TYPE_CHECKING:
+    from medusa.runtime.auto import AutoSpeculation
+    from medusa.decoding.feature_heads import FeatureHead
+
+
+@dataclass
+class Runtime:
+    hf_model: torch.nn.Module
+    tokenizer: object
+    model: Transformer
+    engine: Engine
+    heads: MedusaHeads | None
+    dtype: DtypeChoice | None = None  # None: the dtype the model was built in
+    feature: "FeatureHead | None" = None  # feature heads (EAGLE-style) when --heads names them
+
+    def __post_init__(self) -> None:
+        if self.dtype is None:
+            self.dtype = resolve_dtype(self.model.dtype)
+
+    @classmethod
+    def load(cls, model: str = DEFAULT_MODEL, heads: str | None = "default", dtype: str = "auto",
+             device: str | None = None) -> "Runtime":
+        device = torch.device(device or default_device())
+        choice = resolve_dtype(dtype, device, announce=True)
+        hf_model, tokenizer = load_target(model, choice.torch, device)
+        transformer = Transformer(hf_model)
+        from medusa.runtime.feature import resolve_feature
+
+        feature = resolve_feature(heads, hf_model)
+        return cls(hf_model, tokenizer, transformer, Engine(transformer, eos_ids(hf_model, tokenizer)),
+                   load_heads(heads, hf_model) if feature is None else None, choice, feature)
+
+    @property
+    def machine(self) -> Machine:
+        return machine(self.model.device)
+
+    def auto(self, batch_size: int, progress: bool = True) -> "AutoSpeculation | None":
+        """Auto mode for up to `batch_size` rows (None without heads: plain decoding). Calibrates the pass
+        cost on first use of this model/dtype/machine; later starts read the cached curve."""
+        from medusa.runtime.auto import AutoSpeculation, Plan, candidate_trees, plan, read_accuracy
+        from medusa.runtime.calibrate import load_or_measure
+        from medusa.runtime.gate import bucket
+
+        if self.feature is not None:
+            from medusa.runtime.feature import feature_auto
+
+            return feature_auto(self, batch_size, progress)
+        if self.heads is None:
+            return None
+        cal = load_or_measure(self, [1 << i for i in range(bucket(batch_size).bit_length())], progress=progress)
+        accuracy = read_accuracy(self.heads)
+        default = self.heads.tree()
+        if accuracy is None:  # nothing to predict from: the default tree, judged by measurement alone
+            fixed = Plan(0, default, 0.0, 0.0, "heads without eval.json: default tree, checked by measurement")
+            trees = [default]
+            plans = lambda rows: fixed  # noqa: E731
+        else:
+            own = [load_tree(p) for p in sorted(self.heads.trees_dir.glob("*.yaml"))] if self.heads.trees_dir else []
+            trees = candidate_trees(accuracy, [default, *own], self.heads.config.num_heads,
+                                    self.heads.config.candidates or None)
+            plans = functools.lru_cache(maxsize=None)(lambda rows: plan(cal, accuracy, trees, rows))
+        return AutoSpeculation(plans, lambda tree: MedusaProposer(self.heads, tree, projection=self.model.lm_head),
+                               max(t.size for t in trees), predicted=accuracy is not None)
+
+    def proposer(self, mode: str, tree: str | Tree | None = None) -> Proposer | None:
+        if mode == "plain":
+            return None
+        if mode == "medusa" and self.feature is not None:
+            from medusa.runtime.feature import feature_proposer
+
+            return feature_proposer(self, None if isinstance(tree, Tree) else tree)
+        if mode == "medusa" and self.heads is not None and isinstance(tree, str) and tree.startswith("dynamic-"):
+            from medusa.runtime.feature import medusa_dynamic
+
+            return medusa_dynamic(self, tree)  # a per-row dynamic tree from the heads' own log-probabilities
+        if mode == "medusa":
+            # Names resolve against the heads' own trees first, so trained heads get the trees built for them.
+            heads_dir = self.heads.directory if self.heads is not None else None
+            shape = tree if isinstance(tree, Tree) else load_tree(tree or DEFAULT_TREE, heads_dir=heads_dir)
+            if self.heads is None:
+                raise MedusaError("--mode medusa needs heads: pass --heads PATH (no shipped heads fit this model)")
+            return MedusaProposer(self.heads, shape, projection=self.model.lm_head)
+        raise MedusaError(f"--mode: unknown mode {mode!r} (choose plain or medusa)")
+
+    def encode(self, prompts: list[str], raw: bool = False) -> list[list[int]]:
+        """Token ids per prompt: chat messages through the chat template, or raw text."""
+        out = []
+        for i, text in enumerate(prompts):
+            if not text or not text.strip():
+                raise MedusaError(f"--prompt {i + 1} is empty")
+            if raw or not getattr(self.tokenizer, "chat_template", None):
+                ids = self.tokenizer(text)["input_ids"]
+            else:
+                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                         add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if not isinstance(ids, list) else ids
+            out.append(list(ids))
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def eos_ids(hf_model, tokenizer) -> list[int]:
+    ids = getattr(hf_model.generation_config, "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def load_heads(spec: str | None, hf_model) -> MedusaHeads | None:
+    """`none` -> no heads; `default` -> the shipped heads (if any for this model); else a directory in any
+    layout MedusaHeads.load reads, or a hub id (fetched when online)."""
+    if spec in (None, "none"):
+        return None
+    if spec == "default":
+        if not (SHIPPED_DIR / "heads.json").exists():
+            return None
+        heads = MedusaHeads.load(SHIPPED_DIR)
+        if heads.config.hidden_size != hf_model.config.hidden_size:
+            return None  # the shipped heads belong to the embedded model, not to a user's --model
+        return heads.attach(hf_model)
+    return MedusaHeads.load(spec).attach(hf_model)

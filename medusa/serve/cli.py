@@ -1,0 +1,74 @@
+"""`medusa serve`: start the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from medusa.errors import MedusaError
+from medusa.decoding.hardware import DTYPE_CHOICES
+
+from medusa.serve.config import ServeConfig, load_config
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    p.add_argument("--config", default=None, help="YAML file (configs/serve/*.yaml); flags override it")
+    p.add_argument("--model", default=None, help="'default' (embedded model), a model directory, .gguf or hub id")
+    p.add_argument("--heads", default=None, help="heads directory, 'default' (shipped) or 'none'")
+    p.add_argument("--draft", default=None, help="draft model (shares the target's tokenizer) for draft speculation")
+    p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES, metavar="{auto,bf16,fp16,fp32}")
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None, help="engine CPU threads (default: cores - 1)")
+    p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
+    p.add_argument("--max-model-len", "--max-context", dest="max_context", type=int, default=None,
+                   help="prompt + completion tokens per request (config max_context, default 2048)")
+    p.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, default=None,
+                   help="rows decoded together (config max_batch, default 32)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: "
+                   "$MEDUSA_API_KEY if set); /health and /metrics stay open")
+    p.add_argument("--policy", default=None, choices=["dynamic", "medusa", "draft", "plain"],
+                   help="speculation policy (default dynamic)")
+    p.add_argument("--cost-model", default=None, help="evaluator cost-model JSON for the dynamic policy")
+    p.add_argument("--docs", action="store_true", default=None,
+                   help="serve the OpenAPI schema and its pages (/openapi.json, /docs, /redoc)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    keys = ("model", "heads", "draft", "dtype", "device", "threads", "host", "port", "docs", "served_model_name",
+            "max_context", "max_batch", "api_key")
+    cfg = load_config(args.config, {k: getattr(args, k) for k in keys})
+    if args.policy or args.cost_model:
+        policy = cfg.policy.model_dump()
+        policy.update({k: v for k, v in (("mode", args.policy), ("cost_model", args.cost_model)) if v})
+        cfg = load_config(None, {**cfg.model_dump(), "policy": policy})
+    if cfg.port == 0:
+        raise MedusaError("--port: 0 is not a port to serve on; pick one, e.g. 8000")
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from medusa.serve.app import create_app
+
+    set_engine_threads(cfg)
+    app = create_app(cfg)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    return 0
+
+
+def set_engine_threads(cfg: ServeConfig) -> None:
+    import os
+
+    import torch
+
+    from medusa.decoding.model import default_device
+
+    if torch.device(cfg.device or default_device()).type != "cpu":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    threads = cfg.threads or max(1, cores - 1)
+    torch.set_num_threads(threads)
+    logging.getLogger("serve").info("engine uses %d CPU thread(s)", threads)

@@ -1,0 +1,118 @@
+"""Server configuration: one pydantic model, filled from a YAML file and/or command-line flags.
+
+Unknown keys and bad values are refused with a MedusaError that names the key, so a typo in a config file
+never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from medusa.io import read_yaml
+from medusa.errors import MedusaError
+from medusa.decoding.hardware import check_dtype_spelling
+
+PolicyMode = Literal["dynamic", "medusa", "draft", "plain"]
+
+
+class PolicyConfig(BaseModel):
+    """How each engine step chooses between Medusa, draft-model and plain decoding."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: PolicyMode = "dynamic"
+    # Load (running rows + queued requests) at which speculation switches off, and at which it switches
+    # back on. The gap between them is the hysteresis that stops the mode flapping at one load level.
+    high_watermark: int = Field(8, ge=1)
+    low_watermark: int = Field(4, ge=0)
+    # Medusa tree per running batch size: the largest key <= batch size applies.
+    trees: dict[int, str] = Field(default_factory=lambda: {1: "tree-8"})
+    # Acceptance gate (per batch-size bucket): mean tokens per row-step (tau) over the last `window`
+    # speculative steps; below max(min_tau, measured spec/plain step-time ratio) speculation pauses for
+    # `retry_after_steps` steps (doubling on repeated failure) and is then tried again.
+    window: int = Field(16, ge=1)
+    min_tau: float = Field(1.3, ge=1.0)
+    retry_after_steps: int = Field(128, ge=1)
+    # Evaluator cost-model JSON ({"recommendation": {"<batch size>": "medusa"|"draft"|"plain"},
+    # optional "best_tree": {"<batch size>": "<tree name or path>"}}); it overrides watermarks and trees.
+    cost_model: str | None = None
+    # Without a cost_model file, derive the watermarks and trees from this machine's calibrated pass-cost
+    # curve and the heads' held-out accuracy (what `medusa generate --mode auto` does), when the heads
+    # have an eval.json to predict from.
+    calibrate: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "PolicyConfig":
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(f"low_watermark ({self.low_watermark}) must be below high_watermark "
+                             f"({self.high_watermark})")
+        if not self.trees or min(self.trees) < 1:
+            raise ValueError("trees needs at least one entry, keyed by batch sizes >= 1")
+        return self
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "default"
+    heads: str = "default"
+    draft: str | None = None
+    draft_k: int = Field(4, ge=1, le=16)
+    dtype: str = "auto"  # auto: bf16 where the hardware multiplies it natively, fp32 elsewhere
+    device: str | None = None
+    # torch CPU threads of the engine. Default on CPU: all cores but one. The HTTP side (event loop,
+    # SSE writes) and local clients need a core; engine threads that share cores with them stall at
+    # every parallel region, which on a 2-core machine nearly halved decode speed.
+    threads: int | None = Field(None, ge=1)
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    served_model_name: str | None = None  # the id clients pass as `model` (default: the model's name)
+    max_batch: int = Field(32, ge=1, le=1024)  # rows decoded together (KV cache slots)
+    max_context: int = Field(2048, ge=16)  # prompt + completion tokens per request
+    default_max_tokens: int = Field(256, ge=1)
+    max_queue: int = Field(64, ge=0)  # requests waiting for a slot; beyond it new ones get 429
+    queue_timeout_s: float = Field(60.0, gt=0)
+    prefill_tokens_per_step: int = Field(512, ge=1)  # prompt tokens prefilled between two decode steps
+    # Largest request body accepted (bytes); larger ones get 413 before they are read. 1 MiB holds any
+    # prompt that fits a 2048-token context many times over.
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    # Clients must send `Authorization: Bearer <api_key>` on /v1/* (401 otherwise); /health and /metrics stay
+    # open. Unset: the MEDUSA_API_KEY environment variable, if set, is the key; else no key is needed.
+    api_key: str | None = Field(None, min_length=1)
+    # Serve the OpenAPI schema and its pages (/openapi.json, /docs, /redoc); off so a public server does
+    # not advertise itself.
+    docs: bool = False
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        return check_dtype_spelling(v)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    parts = []
+    for err in exc.errors():
+        key = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{key}: {msg}")
+    return f"{source}: " + "; ".join(parts)
+
+
+def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> ServeConfig:
+    """Read a YAML config (optional), apply non-None overrides (flags), validate."""
+    data: dict[str, Any] = {}
+    source = "serve config"
+    if path is not None:
+        data = read_yaml(path)
+        source = str(path)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            data[key] = value
+    try:
+        return ServeConfig.model_validate(data)
+    except ValidationError as exc:
+        raise MedusaError(_describe(exc, source)) from None

@@ -1,0 +1,150 @@
+"""`medusa distill`, `medusa train` and `medusa export` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from medusa.errors import MedusaError
+
+from medusa.train.config import load_config
+from medusa.train.export import FORMATS
+
+
+def add_parser(subparsers) -> None:
+    d = subparsers.add_parser("distill", help="have the target answer training prompts (resumable)")
+    d.add_argument("--config", required=True, help="training YAML (its data section is used)")
+    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. data.limit=256 (repeatable)")
+    d.add_argument("--no-progress", action="store_true")
+    # Launchers (deepspeed) may pass this; the device comes from LOCAL_RANK (medusa.train.trainer.rank_device).
+    d.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    d.set_defaults(func=cmd_distill)
+
+    t = subparsers.add_parser("train", help="train Medusa heads (also under torchrun / deepspeed)")
+    t.add_argument("--config", required=True, help="training YAML, e.g. configs/train/smollm2-medusa1.yaml")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. optim.lr=3e-4 (repeatable)")
+    t.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    t.add_argument("--deepspeed", default=None, help="DeepSpeed JSON config (overrides the config key)")
+    t.add_argument("--eval-only", action="store_true", help="evaluate the latest checkpoint and write trees")
+    t.add_argument("--prepare-only", action="store_true", help="build the hidden-state cache and stop")
+    t.set_defaults(func=cmd_train)
+
+    f = subparsers.add_parser("train-feature", help="train a feature head (EAGLE-style; resumable: re-run to continue)")
+    f.add_argument("--config", required=True, help="training YAML, e.g. configs/feature/smollm2-feature.yaml")
+    f.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. loss.unroll=2 (repeatable)")
+    f.add_argument("--prepare-only", action="store_true", help="extract and cache the target's features, then stop")
+    f.add_argument("--no-progress", action="store_true")
+    f.set_defaults(func=cmd_train_feature)
+
+    e = subparsers.add_parser("export", help="copy a run's heads with their trees and eval.json to a directory, "
+                                             "or make them the shipped heads")
+    e.add_argument("--heads", required=True, help="a run's heads directory, e.g. runs/smollm2-medusa1/heads")
+    where = e.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", help="destination directory (created, or replaced atomically)")
+    where.add_argument("--to-shipped", action="store_true",
+                       help="replace the shipped heads (what --heads default loads); refused if these measure worse")
+    e.add_argument("--format", default="native", choices=sorted(FORMATS),
+                   help="output layout (default: native, ours); vllm: vLLM's Medusa checkpoint; medusa: "
+                        "FasterDecoding's medusa_lm_head.pt")
+    e.add_argument("--model", default=None, help="with --format vllm|medusa: the target model whose lm_head "
+                   "they store (default: the one the heads record)")
+    e.add_argument("--force", action="store_true", help="with --to-shipped: replace even if these measure worse")
+    e.set_defaults(func=cmd_export)
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    import os
+    import sys
+
+    from medusa.train.distill import run_distill
+
+    cfg = load_config(args.config, args.set)
+    if int(os.environ.get("RANK", "0")) > 0:
+        # Distillation runs in one process; under a launcher the other ranks would repeat its work.
+        print(f"medusa distill: rank {os.environ['RANK']} has nothing to do (rank 0 distils)", file=sys.stderr)
+        return 0
+    out = run_distill(cfg, show_progress=not args.no_progress)
+    print(f"distilled dataset: {out}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from medusa.train.trainer import run_training
+
+    overrides = list(args.set) + ([f"deepspeed={args.deepspeed}"] if args.deepspeed else [])
+    cfg = load_config(args.config, overrides)
+    result = run_training(cfg, eval_only=args.eval_only, prepare_only=args.prepare_only)
+    if args.prepare_only:
+        print(f"hidden states cached for {', '.join(result['prepared'])}")
+        return 0
+    if result.get("rank", 0) == 0:
+        print(summary(result))
+    return 0
+
+
+def cmd_train_feature(args: argparse.Namespace) -> int:
+    from medusa.train.feature import load_feature_config, run_feature_training
+
+    cfg = load_feature_config(args.config, args.set)
+    result = run_feature_training(cfg, progress=not args.no_progress, prepare_only=args.prepare_only)
+    if args.prepare_only:
+        print(f"features cached: {result['sequences']} sequences, {result['positions']} label positions")
+        return 0
+    top1 = ", ".join(f"{a:.3f}" for a in result["eval"].get("top1", []))
+    print(f"feature head: {result['head_dir']} (step {result['step']}, {result['trained_tokens']} trained positions; "
+          f"held-out top-1 per draft step: {top1})\nuse it:  medusa generate --heads {result['head_dir']} "
+          f"--prompt \"...\"")
+    return 0
+
+
+def summary(result: dict) -> str:
+    """Where the run wrote everything, held-out accuracy per head, the tau each tree expects, and how to use
+    the heads."""
+    from medusa.decoding.tree import expected_tau
+    from medusa.decoding.tree import DEFAULT_TREE, load_tree
+
+    heads, run_dir = result["heads_dir"], result["run_dir"]
+    lines = [f"run {run_dir} finished at step {result.get('step')}; everything is under it:",
+             f"  heads        {heads}/ (heads, eval.json, train_config.yaml, trees/)"]
+    if result.get("checkpoint"):
+        lines.append(f"  checkpoints  {Path(result['checkpoint']).parent}/ (latest {Path(result['checkpoint']).name})")
+    for sub, what in (("hidden", "hidden cache"), ("wandb", "wandb logs")):
+        if (Path(run_dir) / sub).is_dir():
+            lines.append(f"  {what:<12} {Path(run_dir) / sub}/")
+    if result.get("merged_model"):
+        lines.append(f"  merged model {result['merged_model']}")
+    acc = result.get("eval", {}).get("rank_accuracy") or []
+    for k, row in enumerate(result.get("accuracy", [])):
+        lines.append(f"  head {k + 1}: held-out top-1 {row[0]:.3f}  top-5 {row[min(4, len(row) - 1)]:.3f}")
+    taus = [f"{Path(t).stem} {expected_tau(load_tree(t).nodes, acc):.2f}" for t in result.get("trees", [])]
+    if taus:
+        lines.append(f"  expected accepted length (tau) per pass: {', '.join(taus)}")
+    model = result.get("merged_model") or result.get("model", "default")
+    use = "medusa generate" + (f" --model {model}" if model != "default" else "") + f" --heads {heads}"
+    lines.append(f"use them:  {use} --prompt \"...\"   (default tree {DEFAULT_TREE}; --tree NAME picks "
+                 f"{heads}/trees/NAME.yaml)")
+    lines.append(f"export:    medusa export --heads {heads} --out DIR   (or --to-shipped to replace the shipped heads)")
+    return "\n".join(lines)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from medusa.train.export import export, export_to_shipped, shipped_dir
+
+    src = Path(args.heads)
+    if not args.to_shipped:
+        out = export(args.heads, Path(args.out), args.format, args.model)
+        print(f"exported {src} -> {out} ({args.format}: heads, eval.json, trees)")
+        return 0
+    if args.model is not None:
+        raise MedusaError("--model: only with --out and --format vllm|medusa")
+    new, old = export_to_shipped(src, force=args.force, fmt=args.format)
+    print(f"shipped heads replaced: {shipped_dir()} <- {src} (tau with their default tree {_tau(new)}, "
+          f"previous {_tau(old)})")
+    return 0
+
+
+def _tau(m) -> str:
+    return f"{m.tau:.3f}" if m is not None else "unmeasured"

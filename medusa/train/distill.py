@@ -1,0 +1,146 @@
+"""`medusa distill`: the target answers training prompts (greedy), saved as a `datasets` dataset on disk.
+
+The answers are the target's own outputs, which is what its heads must learn to predict. Prompts are
+processed in shards of `data.shard_size`; each shard is written atomically (temporary directory, then
+rename), so an interrupted run resumes at the first missing shard. Decoding keeps the batch full: as soon
+as a row finishes, the next prompt takes its slot.
+
+Layout of a distilled directory (what other training code can reuse, see `load_distilled`):
+    <dir>/meta.json                     model, dtype, max_new_tokens, max_prompt_tokens, sources
+    <dir>/shard-00000/ ...              `Dataset.save_to_disk` output, columns:
+        prompt (str), prompt_ids (list[int]), response_ids (list[int]), response (str), finish_reason (str)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import deque
+from pathlib import Path
+
+from medusa.errors import MedusaError
+from medusa.io import atomic_dir, cache_dir, write_json_atomic
+
+from medusa.train.config import TrainConfig
+from medusa.train.data import chat_prompt_ids, training_pairs
+
+
+def default_distill_dir(cfg: TrainConfig) -> Path:
+    d = cfg.data
+    key = json.dumps([cfg.model, cfg.dtype, d.sources, d.max_prompt_tokens, d.max_new_tokens])
+    name = Path(cfg.model).name if cfg.model != "default" else "default"
+    return cache_dir() / "distill" / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+
+def distill_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.data.distill_dir) if cfg.data.distill_dir else default_distill_dir(cfg)
+
+
+def _meta(cfg: TrainConfig) -> dict:
+    d = cfg.data
+    return {"model": cfg.model, "dtype": cfg.dtype, "sources": d.sources, "max_new_tokens": d.max_new_tokens,
+            "max_prompt_tokens": d.max_prompt_tokens}
+
+
+def select_prompts(cfg: TrainConfig, tokenizer) -> list[tuple[str, list[int]]]:
+    """(prompt, chat-formatted ids) of the training prompts that fit data.max_prompt_tokens."""
+    out = []
+    for prompt, _ in training_pairs(cfg.data.sources):
+        ids = chat_prompt_ids(tokenizer, prompt)
+        if len(ids) <= cfg.data.max_prompt_tokens:
+            out.append((prompt, ids))
+            if cfg.data.limit and len(out) >= cfg.data.limit:
+                break
+    return out
+
+
+def answer_all(engine, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
+               progress=None) -> list:
+    """Greedy answers for every prompt, with a continuously refilled batch. Returns Finished per prompt."""
+    capacity = max(len(p) for p in prompts) + max_new_tokens + 2
+    batch = engine.new_batch(min(batch_size, len(prompts)), capacity, max_new_tokens)
+    queue = deque(range(len(prompts)))
+    results = {}
+
+    def refill() -> None:
+        ids = [queue.popleft() for _ in range(min(batch.free, len(queue)))]
+        if ids:
+            for f in engine.add(batch, ids, [prompts[i] for i in ids], max_new_tokens).finished:
+                results[f.id] = f
+
+    refill()
+    while batch.n:
+        out = engine.step(batch)
+        for f in out.finished:
+            results[f.id] = f
+        if progress is not None:
+            progress.update(int(out.counts.sum()))
+        refill()
+    return [results[i] for i in range(len(prompts))]
+
+
+def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True) -> Path:
+    """Distil every missing shard; returns the dataset directory."""
+    from datasets import Dataset
+    from tqdm import tqdm
+
+    from medusa.runtime import Runtime
+
+    out = distill_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    meta_path = out / "meta.json"
+    if meta_path.exists() and json.loads(meta_path.read_text()) != _meta(cfg):
+        raise MedusaError(f"data.distill_dir: {out} holds answers made with other settings "
+                          f"({meta_path.read_text().strip()}); choose another directory")
+    write_json_atomic(meta_path, _meta(cfg))
+    rt = runtime or Runtime.load(cfg.model, heads="none", dtype=cfg.dtype)
+    prompts = select_prompts(cfg, rt.tokenizer)
+    if not prompts:
+        raise MedusaError("data.sources: no prompt fits data.max_prompt_tokens")
+    size = cfg.data.shard_size
+    shards = [(i, prompts[s: s + size]) for i, s in enumerate(range(0, len(prompts), size))]
+    todo = [(i, chunk) for i, chunk in shards if _shard_count(out / f"shard-{i:05d}") != len(chunk)]
+    total = sum(len(c) for _, c in todo) * cfg.data.max_new_tokens
+    bar = tqdm(total=total, unit="tok", desc=f"distill {len(todo)}/{len(shards)} shards",
+               disable=not show_progress)
+    for i, chunk in todo:
+        finished = answer_all(rt.engine, [ids for _, ids in chunk], cfg.data.max_new_tokens,
+                              cfg.data.distill_batch_size, bar)
+        rows = {"prompt": [p for p, _ in chunk], "prompt_ids": [ids for _, ids in chunk],
+                "response_ids": [f.tokens for f in finished],
+                "response": [rt.decode(f.tokens) for f in finished],
+                "finish_reason": [f.reason for f in finished]}
+        _save_shard(Dataset.from_dict(rows), out / f"shard-{i:05d}")
+    bar.close()
+    return out
+
+
+def _shard_count(path: Path) -> int:
+    info = path / "count.json"
+    return json.loads(info.read_text())["rows"] if info.exists() else -1
+
+
+def _save_shard(ds, path: Path) -> None:
+    def fill(tmp: Path) -> None:
+        ds.save_to_disk(str(tmp))
+        (tmp / "count.json").write_text(json.dumps({"rows": len(ds)}))
+
+    atomic_dir(path, fill)
+
+
+def load_shards(directory: str | Path) -> list[tuple[str, object]]:
+    """(name, dataset) of every complete shard, in order."""
+    from datasets import load_from_disk
+
+    directory = Path(directory)
+    shards = sorted(p for p in directory.glob("shard-*") if (p / "count.json").exists())
+    if not shards:
+        raise MedusaError(f"data.distill_dir: {directory} holds no distilled shards; run `medusa distill` first")
+    return [(p.name, load_from_disk(str(p))) for p in shards]
+
+
+def load_distilled(directory: str | Path):
+    """All complete shards of a distilled directory as one `datasets.Dataset`."""
+    from datasets import concatenate_datasets
+
+    return concatenate_datasets([ds for _, ds in load_shards(directory)])

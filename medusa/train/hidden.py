@@ -1,0 +1,135 @@
+"""The target's final (normed) hidden states, and the flat per-position table the heads train on.
+
+`PositionTable` keeps, for every position that feeds at least one head label: the hidden state [N, H]
+(bf16 on disk), the token at that position, whether it is an answer token, and where its sequence ends.
+Head k's label at flat index i is `tokens[i + k + 2]` when that index is inside the same sequence and is
+an answer token. The Medusa-1 fast path builds the table once (one frozen forward per sequence) and trains
+for many epochs from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from medusa.io import write_atomic
+from medusa.train.data import pad_batch
+
+
+@dataclass
+class PositionTable:
+    hidden: torch.Tensor    # [N, H]
+    tokens: torch.Tensor    # [N] long
+    answer: torch.Tensor    # [N] bool, the token is an answer token (a valid label)
+    seq_end: torch.Tensor   # [N] long, flat index one past the end of this position's sequence
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def trainable(self) -> torch.Tensor:
+        """Flat indices whose head-0 label exists (every other head's label exists only if this one does)."""
+        idx = torch.arange(len(self))
+        nxt = (idx + 2).clamp(max=len(self) - 1)
+        return idx[(idx + 2 < self.seq_end) & self.answer[nxt]]
+
+    def labels(self, idx: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """[B, num_heads] labels of the positions idx (-100 where none)."""
+        out = torch.full((idx.shape[0], num_heads), -100, dtype=torch.long)
+        for k in range(num_heads):
+            j = idx + k + 2
+            jc = j.clamp(max=len(self) - 1)
+            ok = (j < self.seq_end[idx]) & self.answer[jc]
+            out[:, k] = torch.where(ok, self.tokens[jc], -100)
+        return out
+
+    @classmethod
+    def cat(cls, tables: list["PositionTable"]) -> "PositionTable":
+        offsets, n = [], 0
+        for t in tables:
+            offsets.append(n)
+            n += len(t)
+        return cls(torch.cat([t.hidden for t in tables]), torch.cat([t.tokens for t in tables]),
+                   torch.cat([t.answer for t in tables]),
+                   torch.cat([t.seq_end + o for t, o in zip(tables, offsets)]))
+
+    def save(self, path: Path, key: str) -> None:
+        tensors = {"hidden": self.hidden.contiguous(), "tokens": self.tokens, "answer": self.answer.to(torch.uint8),
+                   "seq_end": self.seq_end}
+        write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key}))
+
+    @classmethod
+    def load(cls, path: Path) -> "PositionTable":
+        t = load_file(str(path))
+        return cls(t["hidden"], t["tokens"], t["answer"].bool(), t["seq_end"])
+
+
+def hf_hidden_fn(model) -> Callable[[dict], torch.Tensor]:
+    """Final normed hidden state from an HF causal LM (hidden_states[-1] is after the final norm)."""
+    def run(batch: dict) -> torch.Tensor:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    output_hidden_states=True, use_cache=False)
+        return out.hidden_states[-1]
+    return run
+
+
+@torch.inference_mode()
+def build_table(examples: list[dict], hidden_fn: Callable[[dict], torch.Tensor], batch_tokens: int = 4096,
+                progress: bool = False, store_dtype: torch.dtype = torch.bfloat16) -> PositionTable:
+    """Run the frozen target over every example (length-sorted batches) and keep the answer window."""
+    from tqdm import tqdm
+
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
+    parts: dict[int, tuple] = {}
+    i = 0
+    bar = tqdm(total=sum(len(e["input_ids"]) for e in examples), unit="tok", desc="hidden states",
+               disable=not progress)
+    while i < len(order):
+        longest = len(examples[order[i]]["input_ids"])
+        j = i + 1
+        while j < len(order) and (j - i + 1) * max(longest, len(examples[order[j]]["input_ids"])) <= batch_tokens:
+            longest = max(longest, len(examples[order[j]]["input_ids"]))
+            j += 1
+        chunk = [examples[o] for o in order[i:j]]
+        batch = pad_batch(chunk)
+        hidden = hidden_fn(batch)
+        for r, (o, e) in enumerate(zip(order[i:j], chunk)):
+            mask = torch.tensor(e["loss_mask"])
+            start = max(int(mask.nonzero()[0, 0]) - 1, 0)  # the last prompt position predicts the answer
+            n = len(e["input_ids"])
+            parts[o] = (hidden[r, start:n].to(store_dtype).clone(), torch.tensor(e["input_ids"][start:n]),
+                        mask[start:n].bool())
+            bar.update(n)
+        i = j
+    bar.close()
+    hs, toks, ans, ends = [], [], [], []
+    offset = 0
+    for o in range(len(examples)):
+        h, t, a = parts[o]
+        hs.append(h), toks.append(t), ans.append(a)
+        offset += t.shape[0]
+        ends.append(torch.full((t.shape[0],), offset, dtype=torch.long))
+    return PositionTable(torch.cat(hs), torch.cat(toks).long(), torch.cat(ans), torch.cat(ends))
+
+
+def table_key(*parts) -> str:
+    return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def cached_table(path: Path, key: str, build: Callable[[], PositionTable]) -> PositionTable:
+    """Load the table at `path` if it was built from the same inputs (`key`), else build and save it."""
+    if path.exists():
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            if (f.metadata() or {}).get("key") == key:
+                return PositionTable.load(path)
+    table = build()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table.save(path, key)
+    return table

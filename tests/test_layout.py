@@ -1,0 +1,105 @@
+"""The package layout: dependencies point one way, files stay small, private names stay private.
+
+Layers, lowest first: `errors`, `io` (files, configs, the cache), `prompts` (datasets), `decoding`,
+`runtime`, then `eval`, `train` and `serve` side by side, then the command line (`cli`, `demo`). A module may import its own layer
+and those below it, never one above or beside it. Imports inside functions count too: a lazy import is
+still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "medusa"
+CODE_DIRS = [PACKAGE, ROOT / "benchmarks", ROOT / "scripts"]
+MAX_LINES = 400
+
+LAYERS = {"errors": 0, "io": 1, "prompts": 2, "decoding": 3, "runtime": 4, "eval": 5, "train": 5, "serve": 5,
+          "cli": 6, "demo": 6}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, module, imported names) for every import of a `medusa` module in `path`."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] == "medusa":
+                out.append((node.lineno, node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            raise AssertionError(f"{path}:{node.lineno}: relative import (the project imports absolutely)")
+        elif isinstance(node, ast.Import):
+            out.extend((node.lineno, a.name, []) for a in node.names if a.name.split(".")[0] == "medusa")
+    return out
+
+
+def layer_of(module: str) -> tuple[str, int]:
+    parts = module.split(".")
+    if len(parts) < 2:  # `from medusa import x` names the sub-module in x; checked by the caller
+        return "medusa", -1
+    return parts[1], LAYERS[parts[1]]
+
+
+def package_files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_package_module_has_a_layer():
+    unplaced = {module_name(p).split(".")[1] for p in package_files() if module_name(p) != "medusa"} - set(LAYERS)
+    assert not unplaced, f"modules with no layer in LAYERS: {sorted(unplaced)}"
+
+
+@pytest.mark.parametrize("path", package_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_down(path: Path):
+    me = module_name(path)
+    if me == "medusa":
+        return
+    own, level = layer_of(me)
+    wrong = []
+    for line, module, names in project_imports(path):
+        targets = [f"{module}.{n}" for n in names] if module == "medusa" else [module]
+        for target in targets:
+            other, other_level = layer_of(target)
+            if other != own and other_level >= level:
+                wrong.append(f"line {line}: {own} (layer {level}) imports {target} (layer {other_level})")
+    assert not wrong, f"{me}: " + "; ".join(wrong)
+
+
+def test_decoding_imports_no_tooling():
+    """The rule the layers exist for, stated alone: the decoding core needs nothing that measures, trains
+    or serves it."""
+    for path in (PACKAGE / "decoding").rglob("*.py"):
+        for line, module, _ in project_imports(path):
+            assert module.split(".")[1] in ("errors", "io", "decoding"), f"{path.name}:{line} imports {module}"
+
+
+@pytest.mark.parametrize("path", [p for d in CODE_DIRS for p in sorted(d.rglob("*.py"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_private_name_crosses_a_module(path: Path):
+    leaks = [f"line {line}: {module}.{n}" for line, module, names in project_imports(path)
+             for n in names if n.startswith("_")]
+    assert not leaks, f"{path.relative_to(ROOT)} imports private names: {leaks}"
+
+
+@pytest.mark.parametrize("path", [p for d in CODE_DIRS for p in sorted(d.rglob("*.py"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_files_are_short(path: Path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES}: split it by topic)"
+
+
+def test_the_checks_see_a_violation(tmp_path: Path):
+    """The import walker finds lazy imports and private names, so the tests above can fail."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from medusa.serve.app import _private\n")
+    assert project_imports(bad) == [(2, "medusa.serve.app", ["_private"])]
+    assert layer_of("medusa.serve.app") == ("serve", 5)
+    assert layer_of("medusa.decoding.engine") == ("decoding", 3)
