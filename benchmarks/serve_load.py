@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,9 +26,10 @@ from pathlib import Path
 import httpx
 import yaml
 
+from server_process import ServerProcess, counter
+
 from medusa.io import write_json_atomic
 
-HOST = "127.0.0.1"
 POLICIES = {"on": "medusa", "off": "plain", "dynamic": "dynamic"}
 
 
@@ -57,62 +56,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    def __init__(self, name: str, mode: str, args: argparse.Namespace, workdir: Path):
-        self.name, self.port = name, free_port()
-        base = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
-        policy = dict(base.get("policy") or {}, mode=mode)
-        if args.cost_model and mode == "dynamic":
-            policy["cost_model"] = args.cost_model
-        cfg = {**base, "model": args.model, "heads": args.heads, "dtype": args.dtype, "host": HOST,
-               "port": self.port, "max_batch": args.max_batch, "max_context": args.max_context,
-               "max_queue": 4 * args.max_batch, "queue_timeout_s": args.request_timeout, "policy": policy,
-               "log_level": "warning"}
-        path = workdir / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        self.log = open(workdir / f"{name}.log", "w")
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "medusa.cli", "serve", "--config", str(path)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.url = f"http://{HOST}:{self.port}"
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server {self.name} exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit(f"server {self.name} did not start within {timeout:.0f} s")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+def server_config(mode: str, args: argparse.Namespace) -> dict:
+    """The serve config of one policy's server: the base YAML with this run's settings and `mode`."""
+    base = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    policy = dict(base.get("policy") or {}, mode=mode)
+    if args.cost_model and mode == "dynamic":
+        policy["cost_model"] = args.cost_model
+    return {**base, "model": args.model, "heads": args.heads, "dtype": args.dtype, "max_batch": args.max_batch,
+            "max_context": args.max_context, "max_queue": 4 * args.max_batch,
+            "queue_timeout_s": args.request_timeout, "policy": policy, "log_level": "warning"}
 
 
 def steps_by_mode(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("medusa_steps_total{"):
-            mode = line.split('mode="')[1].split('"')[0]
-            out[mode] = float(line.split()[-1])
-    return out
+    return counter(url, "medusa_steps_total")
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
@@ -204,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = load_prompts(args.prompts)
     workdir = Path(tempfile.mkdtemp(prefix="serve_load-"))
-    servers = {n: ServerProcess(n, POLICIES[n], args, workdir) for n in names}
+    servers = {n: ServerProcess(n, server_config(POLICIES[n], args), workdir) for n in names}
     table: dict[str, dict[int, dict]] = {n: {} for n in names}
     try:
         for s in servers.values():
