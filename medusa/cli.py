@@ -14,7 +14,7 @@ from medusa.runtime.auto import describe_auto
 from medusa.runtime.args import add_model_args, add_sampling_args, sampling_from_args
 
 # Subcommands that live elsewhere register themselves through `add_parser(subparsers)`.
-EXTERNAL_COMMANDS = ["medusa.eval.bench", "medusa.runtime.calibrate", "medusa.eval.evaluate", "medusa.train.cli", "medusa.serve.cli"]
+EXTERNAL_COMMANDS = ["medusa.eval.cli", "medusa.runtime.calibrate", "medusa.train.cli", "medusa.serve.cli"]
 
 
 def package_version() -> str:

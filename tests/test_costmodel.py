@@ -149,7 +149,7 @@ def test_latency_fit_keeps_coefficients_non_negative():
 
 
 def test_measured_speedups_decide_where_they_exist():
-    from medusa.eval.evaluate import apply_measurements
+    from medusa.eval.cost_inputs import apply_measurements
 
     model = {"recommendation": {"1": "plain", "2": "plain", "64": "medusa"}, "best_tree": {"1": "tree-16"}}
     results = [

@@ -8,7 +8,8 @@ import yaml
 
 from conftest import tiny_model
 from medusa.cli import main
-from medusa.eval.evaluate import load_config, prompts_for_batch
+from medusa.eval.config import load_config
+from medusa.eval.driver import prompts_for_batch
 from medusa.errors import MedusaError
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
 from medusa.eval.report import validate
@@ -105,7 +106,7 @@ def test_eval_sampled(tmp_path, capsys):
     assert all(r["greedy_mismatches"] is None for r in report["results"])
     medusa = [r for r in report["results"] if r["kind"] == "medusa"]
     assert medusa and all(r["mean_accepted"] >= 1.0 for r in medusa)
-    from medusa.eval.evaluate import load_config as load_eval
+    from medusa.eval.config import load_config as load_eval
 
     with pytest.raises(MedusaError, match="temperature"):
         load_eval(str(tmp_path / "eval.yaml"), {"temperature": -1})

@@ -18,6 +18,8 @@ from medusa.decoding.hardware import DTYPE_CHOICES
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
 from medusa.prompts import load_prompts
 from medusa.decoding.tree import chain, load_tree
+from medusa.errors import MedusaError
+from medusa.eval.driver import run_engine, sync
 
 
 def add_parser(sub) -> None:
@@ -40,11 +42,10 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def time_it(fn) -> float:
+def time_it(fn, device: torch.device) -> float:
     start = time.perf_counter()
     fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync(device)
     return time.perf_counter() - start
 
 
@@ -63,7 +64,7 @@ def tree_pass_curve(rt, sizes=(1, 8, 16, 32, 64), prefix: int = 256, reps: int =
                 tokens = torch.randint(0, 1000, (1, tree.size), device=dev)
                 pos = batch.cache.lens[:1, None] + buf.depth
                 times[n].append(time_it(lambda: model.lm_head(model(tokens, pos, batch.cache, slice(0, 1),
-                                                                     buf.mask))))
+                                                                     buf.mask)), dev))
     return {n: statistics.median(v) * 1000 for n, v in times.items()}
 
 
@@ -78,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         print("note: no heads for this model, Medusa runs with untrained heads (speed only, tau meaningless)")
         rt.heads = MedusaHeads(HeadsConfig(rt.hf_model.config.hidden_size,
                                            rt.hf_model.get_output_embeddings().weight.shape[0])).attach(rt.hf_model)
+    if args.max_new_tokens <= 0:
+        raise MedusaError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     trees = args.tree.split(",") if args.tree else [None]
     fixed = {f"medusa:{p.tree.name}": p for p in (rt.proposer("medusa", t) for t in trees)}
     from medusa.runtime.feature import bench_methods
@@ -94,10 +97,10 @@ def run(args: argparse.Namespace) -> int:
                                    do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
         return out.shape[1] - len(p)
 
-    methods = {"plain": lambda p: rt.engine.generate([p], n_new),
+    methods = {"plain": lambda p: run_engine(rt.engine, [p], 1, n_new),
                # Auto mode as a user gets it: a fresh decision and gate per call, probe step included.
-               "auto": lambda p: rt.engine.generate([p], n_new, policy=rt.auto(1, progress=False)),
-               **{name: (lambda p, prop=prop: rt.engine.generate([p], n_new, prop)) for name, prop in fixed.items()}}
+               "auto": lambda p: run_engine(rt.engine, [p], 1, n_new, policy=rt.auto(1, progress=False)),
+               **{name: (lambda p, prop=prop: run_engine(rt.engine, [p], 1, n_new, prop)) for name, prop in fixed.items()}}
     if not args.no_hf:
         methods = {"hf_generate": hf, **methods}
     # Warm-up: first calls allocate and pick kernels.
@@ -119,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                     tokens = result.stats.new_tokens
                     extra[name]["forward_passes"] += result.stats.forward_passes
                     extra[name]["accepted"].append(result.stats.mean_accepted)
-                    outputs[name] = result.outputs[0].tokens
+                    outputs[name] = result.outputs[0]
                 extra[name]["tokens"] += tokens
                 rates[name].append(tokens / seconds)
             for name in mismatches:

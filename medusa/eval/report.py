@@ -167,22 +167,14 @@ def plots(report: dict, out: Path) -> list[Path]:
             ax.plot(xs, ys, marker="o", label=m)
         if key == "speedup_vs_plain":
             ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
+        _batch_axis(ax, ylabel)
         written.append(_save(fig, out / name))
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     for m, xs, ys in series("mean_accepted"):
         if any(y is not None for y in ys):
             ax1.plot(xs, ys, marker="o", label=m)
-    ax1.set_xscale("log", base=2)
-    ax1.set_xlabel("batch size")
-    ax1.set_ylabel("tau (tokens per verification step)")
-    ax1.legend(fontsize=8)
-    ax1.grid(alpha=0.3)
+    _batch_axis(ax1, "tau (tokens per verification step)")
     first_bs = min(r["batch_size"] for r in results)
     for r in results:
         if r["batch_size"] == first_bs and r.get("acceptance_by_head"):
@@ -210,13 +202,18 @@ def plots(report: dict, out: Path) -> list[Path]:
         if any(a is not None for a in analytic):
             ax.plot(sizes, analytic, ls=":", color="C1", label="draft analytic E/(1+Kc)")
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("speedup over plain")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
+        _batch_axis(ax, "speedup over plain")
         written.append(_save(fig, out / "predicted_vs_measured.png"))
     return written
+
+
+def _batch_axis(ax, ylabel: str) -> None:
+    """Batch size on a log2 x axis, a legend and a light grid: every per-batch-size plot."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
 
 
 def _save(fig, path: Path) -> Path:

@@ -1,0 +1,71 @@
+"""The configured methods: each one's proposer (or HF assistant) built once, the (batch size, method) runs
+planned, and one run of a method dispatched to our engine or to HF `generate()`."""
+
+from __future__ import annotations
+
+from medusa.decoding.proposers import Proposer
+from medusa.eval.anchors import run_hf
+from medusa.eval.config import BATCH_ONE_ONLY, HF, EvalConfig, MethodSpec
+from medusa.eval.driver import RunResult, run_engine
+
+
+def make_proposer(rt, m: MethodSpec) -> Proposer | None:
+    """The proposer of one of our methods (None: plain decoding)."""
+    if m.method == "plain":
+        return None
+    if m.method == "medusa":
+        return rt.proposer("medusa", m.tree)
+    if m.method == "feature":
+        from medusa.runtime.feature import method_proposer
+
+        return method_proposer(rt, m.heads, m.tree)
+    if m.method == "draft":
+        from medusa.decoding.draft import DraftProposer, load_draft
+
+        return DraftProposer(load_draft(m.draft or "default", rt.hf_model), m.k or 4)
+    if m.method == "lookup":
+        from medusa.decoding.lookup import LookupProposer
+
+        return LookupProposer(k=m.k or 8, max_ngram=m.max_ngram)
+    raise AssertionError(m.method)
+
+
+class Methods:
+    """Builds each configured method's proposer (or HF settings) once, lazily."""
+
+    def __init__(self, rt, cfg: EvalConfig):
+        self.rt, self.cfg = rt, cfg
+        self._drafts: dict[str, object] = {}
+        self._proposers: dict[str, Proposer | None] = {}
+
+    def draft_hf(self, spec: str):
+        from medusa.decoding.draft import load_draft_hf
+
+        if spec not in self._drafts:
+            self._drafts[spec] = load_draft_hf(spec, self.rt.hf_model)
+        return self._drafts[spec]
+
+    def proposer(self, m: MethodSpec) -> Proposer | None:
+        if m.name not in self._proposers:
+            self._proposers[m.name] = make_proposer(self.rt, m)
+        return self._proposers[m.name]
+
+    def run(self, m: MethodSpec, prompts: list[list[int]], batch: int, max_new: int) -> RunResult:
+        if m.method in HF:
+            draft = self.draft_hf(m.draft or "default") if m.method == "hf_assisted" else None
+            return run_hf(self.rt, prompts, batch, max_new, m, draft, self.cfg.sampling(0))
+        return run_engine(self.rt.engine, prompts, batch, max_new, self.proposer(m),
+                          self.cfg.sampling if self.cfg.sampled else None)
+
+
+def planned_runs(cfg: EvalConfig) -> list[tuple[int, MethodSpec]]:
+    """Every (batch size, method) pair the config asks for, HF's limits applied."""
+    runs = []
+    for b in cfg.batch_sizes:
+        for m in cfg.methods:
+            if m.method in BATCH_ONE_ONLY and b != 1:
+                continue
+            if m.method == "hf" and b not in cfg.hf_batch_sizes:
+                continue
+            runs.append((b, m))
+    return runs
