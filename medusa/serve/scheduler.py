@@ -242,11 +242,17 @@ class Scheduler(Admission):
             req.sent = safe
         return hit
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _close(self, req: Request) -> bool:
+        """Mark the request done and its row freed; False when it already was (it ends only once)."""
         if req.done:
-            return
+            return False
         req.done = True
         self.completions.append(time.monotonic())
+        return True
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if not self._close(req):
+            return
         self.metrics.requests.labels(reason).inc()
         if req.first_token_at is not None and len(req.tokens) > 1:
             self.metrics.tpot.observe((req.last_token_at - req.first_token_at) / (len(req.tokens) - 1))
@@ -256,10 +262,8 @@ class Scheduler(Admission):
             req.on_event(Event("done", tail, len(req.tokens), finish_reason=reason, **req.take_unsent()))
 
     def _error(self, req: Request, status: int, message: str, error_type: str, code: str | None) -> None:
-        if req.done:
+        if not self._close(req):
             return
-        req.done = True
-        self.completions.append(time.monotonic())
         try:
             req.on_event(Event("error", message, status=status, error_type=error_type, code=code))
         except Exception:  # the receiver is gone (e.g. its event loop closed): nothing left to tell
