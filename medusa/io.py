@@ -53,17 +53,25 @@ def read_json(path: str | Path, flag: str) -> Any:
         raise MedusaError(f"{flag}: {path} is not valid JSON: {exc}") from None
 
 
+def problem(err: Any, drop: Callable[[str], bool] | None = None) -> tuple[str, str]:
+    """One pydantic error as (dotted key, message); `drop` leaves parts out of the key (pydantic names the
+    union member it tried in `loc`)."""
+    key = ".".join(str(p) for p in err["loc"] if drop is None or not drop(str(p)))
+    msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+    return key, msg
+
+
+def problems(exc: ValidationError) -> list[str]:
+    """Every error of a validation as "key: message", the key a dotted path."""
+    return [f"{key or '(top level)'}: {msg}" for key, msg in map(problem, exc.errors())]
+
+
 def validate(model: type[M], data: dict[str, Any], where: str) -> M:
     """model(**data), or a MedusaError naming every bad key by its dotted path."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            key = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
-            problems.append(f"{key}: {msg}")
-        raise MedusaError(f"{where}: " + "; ".join(problems)) from None
+        raise MedusaError(f"{where}: " + "; ".join(problems(exc))) from None
 
 
 def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:

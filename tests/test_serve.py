@@ -532,7 +532,7 @@ def test_prefill_budget_spreads_admission_over_steps(rt):
                                     policy={"mode": "plain"}), rt).state.server
     sched = server.scheduler
     sched.batch = rt.engine.new_batch(8, sched.capacity, 256)
-    from medusa.serve.scheduler import Request
+    from medusa.serve.request import Request
 
     lengths = [20, 20, 20, 5, 100, 10]
     for n in lengths:

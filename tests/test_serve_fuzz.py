@@ -13,7 +13,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from medusa.serve.app import ApiError, create_app, load_json, parse_body
+from medusa.serve.app import create_app
+from medusa.serve.body import load_json, parse_body
+from medusa.serve.errors import ApiError
 from medusa.serve.config import ServeConfig
 from medusa.serve.protocol import ChatCompletionRequest, CompletionRequest
 from test_serve import embedded_tokenizer, running_server, tiny_runtime

@@ -13,7 +13,7 @@ import torch
 from medusa.decoding.sampling import SamplingParams
 from medusa.serve.app import create_app
 from medusa.serve.config import ServeConfig
-from medusa.serve.scheduler import Event, Request
+from medusa.serve.request import Event, Request
 from test_serve import _metric, _wait, alone, running_server
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import mixed_prompts, tiny_model
-from medusa.serve.app import Shape
+from medusa.serve.responses import Shape
 from test_serve import CLIENT_TIMEOUT, _wait, alone, chat_ids, client, serve
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -299,9 +299,9 @@ def test_serving_flags_and_version(capsys):
 
 def test_shape_reports_unlikely_tokens_at_a_json_floor(rt):
     """A token the model rules out has logprob -inf, which JSON cannot carry: it is reported at -9999."""
-    from medusa.serve.app import Server
+    from medusa.serve.server import Server
     from medusa.serve.config import ServeConfig
-    from medusa.serve.scheduler import Event
+    from medusa.serve.request import Event
 
     server = Server(ServeConfig(dtype="fp32", policy={"mode": "plain"}), rt)
     body = argparse.Namespace(logprobs_k=lambda: 1, return_token_ids=False, return_tokens_as_token_ids=True)

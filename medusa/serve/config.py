@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from medusa.io import read_yaml
-from medusa.errors import MedusaError
+from medusa.io import read_yaml, validate
 from medusa.decoding.hardware import check_dtype_spelling
 
 PolicyMode = Literal["dynamic", "medusa", "draft", "plain"]
@@ -85,21 +84,12 @@ class ServeConfig(BaseModel):
     # not advertise itself.
     docs: bool = False
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, v: str) -> str:
         return check_dtype_spelling(v)
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-
-
-def _describe(exc: ValidationError, source: str) -> str:
-    parts = []
-    for err in exc.errors():
-        key = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{key}: {msg}")
-    return f"{source}: " + "; ".join(parts)
 
 
 def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> ServeConfig:
@@ -112,7 +102,4 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
     for key, value in (overrides or {}).items():
         if value is not None:
             data[key] = value
-    try:
-        return ServeConfig.model_validate(data)
-    except ValidationError as exc:
-        raise MedusaError(_describe(exc, source)) from None
+    return validate(ServeConfig, data, source)

@@ -2,10 +2,11 @@
 
 Each loop iteration is one step boundary: drop cancelled and timed-out requests, prefill waiting requests
 into free rows (at most `prefill_tokens_per_step` padded prompt tokens, so running rows are not stalled
-behind a burst of long prompts), then run one decode step in the mode the speculation policy picks.
-New tokens are detokenised incrementally per request; a stop string ends the request there (the row is
-removed from the batch and the string trimmed from the text). Results go back to the HTTP side through a
-callback per request that must be thread-safe (the app hands in `loop.call_soon_threadsafe`).
+behind a burst of long prompts; see `medusa.serve.admission`), then run one decode step in the mode the
+speculation policy picks. New tokens are detokenised incrementally per request; a stop string ends the
+request there (the row is removed from the batch and the string trimmed from the text). Results go back to
+the HTTP side through a callback per request that must be thread-safe (the app hands in
+`loop.call_soon_threadsafe`).
 
 Failures are contained to the request that caused them where it can be told apart: a prefill that raises is
 retried one request at a time, so only the request that fails alone is refused; detokenising or delivering
@@ -16,74 +17,33 @@ engine is then reported unhealthy until a step succeeds again (a probe decode ru
 
 from __future__ import annotations
 
-import itertools
 import logging
-import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from medusa.decoding.engine import Batch, Engine, StepOutput
-from medusa.errors import MedusaError
-from medusa.decoding.sampling import GREEDY, SamplingParams
-
+from medusa.serve.admission import Admission
+from medusa.serve.detokenize import visible_text
 from medusa.serve.metrics import Metrics
 from medusa.serve.policy import Decision, SpeculationPolicy
+from medusa.serve.request import Event, Request
 
 log = logging.getLogger("medusa.serve.scheduler")
 PROBE_INTERVAL_S = 2.0  # how often an idle, unhealthy engine tries a one-row probe decode
-DRAIN_WINDOW_S = 30.0  # completions over this window give the drain rate behind Retry-After
-RETRY_AFTER_MAX_S = 120
+MODES = ("medusa", "draft", "plain")
 
 
-# One emitted token's log-probability and the top alternatives [(token id, log-probability), ...].
-TokenLogprob = tuple[int, float, list[tuple[int, float]]]
+def accepted_per_row(out: StepOutput) -> list[int]:
+    """Candidates each row accepted in a speculative step: it emitted its target token plus `count - 1`
+    accepted candidates (a row cut at EOS or max_tokens counts what it emitted)."""
+    return (out.counts - 1).clamp(min=0).tolist()
 
 
-@dataclass
-class Event:
-    kind: str  # "delta" (new text), "done" (finished), "error"
-    text: str = ""
-    tokens: int = 0  # completion tokens so far
-    finish_reason: str | None = None
-    status: int = 200
-    error_type: str = ""
-    code: str | None = None
-    token_ids: list[int] = field(default_factory=list)  # the tokens since the previous event
-    logprobs: list[TokenLogprob] | None = None  # theirs, when the request asked for log-probabilities
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    max_tokens: int
-    on_event: Callable[[Event], None]
-    sampling: SamplingParams = GREEDY
-    stop: list[str] = field(default_factory=list)
-    id: int = field(default_factory=itertools.count().__next__)
-    arrival: float = field(default_factory=time.perf_counter)
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    sent: int = 0  # characters of `text` already sent
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    cancelled: bool = False
-    done: bool = False
-    tag: str = ""  # the id the client sees (response id), quoted in error messages and the log
-    logprobs: int | None = None  # None, or how many top alternatives to report per token (0..20)
-    unsent: int = 0  # tokens not yet handed out with an event (their text may be held back)
-    token_logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-class Overloaded(Exception):
-    """The admission queue is full."""
-
-
-class Scheduler:
+class Scheduler(Admission):
     def __init__(self, engine: Engine, tokenizer: Any, policy: SpeculationPolicy,
                  proposer_for: Callable[[Decision], Any], metrics: Metrics, *, max_batch: int,
                  max_context: int, max_queue: int, queue_timeout_s: float, prefill_tokens_per_step: int,
@@ -108,9 +68,8 @@ class Scheduler:
         self.probed_at = 0.0
         self.proposer_failures = 0
 
-    # ---- called from the HTTP side -------------------------------------------------------------------
     def start(self) -> None:
-        self.batch = self.engine.new_batch(self.max_batch, self.capacity, self.max_context)
+        self.batch = self.new_batch()
         self.thread = threading.Thread(target=self._loop, name="medusa-engine", daemon=True)
         self.thread.start()
 
@@ -121,47 +80,12 @@ class Scheduler:
         if self.thread is not None:
             self.thread.join(timeout=30)
 
-    def submit(self, *reqs: Request) -> None:
-        """Queue requests (the choices of one HTTP request): all of them, or none when they do not fit."""
-        with self.cond:
-            free_rows = self.max_batch - len(self.running)
-            if len(self.queue) + len(reqs) > self.max_queue + max(free_rows, 0):
-                self.metrics.rejected.labels("queue_full").inc()
-                raise Overloaded()
-            self.queue.extend(reqs)
-            self.metrics.queued.set(len(self.queue))
-            self.cond.notify_all()
-
-    def cancel(self, req: Request) -> None:
-        """Client went away: the row (or queue entry) is dropped at the next step boundary."""
-        with self.cond:
-            if not req.done:
-                req.cancelled = True
-                self.cond.notify_all()
-
-    @property
-    def load(self) -> tuple[int, int]:
-        return len(self.running), len(self.queue)
+    def new_batch(self) -> Batch:
+        return self.engine.new_batch(self.max_batch, self.capacity, self.max_context)
 
     @property
     def healthy(self) -> bool:
         return self.fault is None
-
-    def retry_after(self) -> int:
-        """Seconds until a new request would likely get a row: the requests ahead of it over the rate rows
-        were freed in the last DRAIN_WINDOW_S, clamped to [1, RETRY_AFTER_MAX_S]."""
-        now = time.monotonic()
-        with self.cond:
-            ahead = len(self.queue) + 1 - max(self.max_batch - len(self.running), 0)
-            while self.completions and now - self.completions[0] > DRAIN_WINDOW_S:
-                self.completions.popleft()
-            freed = len(self.completions)
-        if ahead <= 0:
-            return 1
-        window = min(DRAIN_WINDOW_S, max(now - self.started_at, 1.0))
-        if freed == 0:  # nothing drained lately: no evidence of an early slot
-            return RETRY_AFTER_MAX_S
-        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(ahead * window / freed)))
 
     # ---- the engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -186,85 +110,19 @@ class Scheduler:
             self._update_gauges()
         self._fail_all("server is shutting down", status=503)
 
-    def _take_admissible(self) -> list[Request]:
-        """Pop queued requests that fit the free rows and this step's prefill budget (under the lock)."""
-        now = time.perf_counter()
-        kept: deque[Request] = deque()
-        for req in self.queue:
-            if req.cancelled:
-                self._finish(req, "cancelled")
-            elif now - req.arrival > self.queue_timeout_s:
-                self.metrics.rejected.labels("queue_timeout").inc()
-                self._error(req, 503, f"request waited more than {self.queue_timeout_s:g} s for a free "
-                            "slot (server busy); retry later", "server_busy", "queue_timeout")
-            else:
-                kept.append(req)
-        self.queue = kept
-        # Cancelled rows are dropped before this prefill, so their slots count as free.
-        free = self.batch.free + sum(1 for r in self.running.values() if r.cancelled)
-        chosen: list[Request] = []
-        longest = 0
-        while self.queue and len(chosen) < max(free, 0):
-            nxt = max(longest, len(self.queue[0].prompt))
-            # Prompts are right-padded into one pass, so its cost is rows x longest prompt.
-            if chosen and (len(chosen) + 1) * nxt > self.prefill_budget:
-                break
-            chosen.append(self.queue.popleft())
-            longest = nxt
-        return chosen
-
-    def _drop_cancelled(self) -> None:
-        gone = [r for r in self.running.values() if r.cancelled]
-        if gone:
-            self.batch.remove([r.id for r in gone])
-            for r in gone:
-                del self.running[r.id]
-                self._finish(r, "cancelled")
-
-    def _prefill(self, reqs: list[Request]) -> None:
-        """Add requests to the batch; when that fails, add them one at a time so only the culprit fails."""
-        try:
-            out = self._add(reqs)
-        except Exception as exc:
-            if len(reqs) == 1:
-                self._refuse(reqs[0], exc)
-                return
-            log.warning("prefill of %d requests failed (%s: %s); admitting them one at a time", len(reqs),
-                        type(exc).__name__, exc)
-            for r in reqs:
-                self._prefill([r])
-            return
-        self.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in reqs))
+    def _decode(self) -> None:
+        decision, proposer = self._choose()
+        n = self.batch.n
+        start = time.perf_counter()
+        out, decision, proposer = self._step(decision, proposer)
+        seconds = time.perf_counter() - start
+        if self.fault is not None:
+            self._recovered("a decode step succeeded")
+        self._record(decision, proposer, out, n, seconds)
         self._deliver(out)
 
-    def _add(self, reqs: list[Request]) -> StepOutput:
-        n0 = self.batch.n
-        for r in reqs:
-            self.running[r.id] = r
-        try:
-            return self.engine.add(self.batch, [r.id for r in reqs], [r.prompt for r in reqs],
-                                   [r.max_tokens for r in reqs], sampling=[r.sampling for r in reqs],
-                                   logprobs=[r.logprobs for r in reqs])
-        except BaseException:
-            for r in reqs:
-                self.running.pop(r.id, None)
-                self.batch.logprobs.pop(r.id, None)
-            # New rows go after the first n0, and only they can finish inside `add`: rows below n0 are
-            # untouched, so cutting the batch back to n0 rows undoes the failed admission.
-            del self.batch.ids[n0:]
-            self.batch.n = n0
-            raise
-
-    def _refuse(self, req: Request, exc: Exception) -> None:
-        if isinstance(exc, MedusaError):  # the engine's own input check: the request's fault
-            self._error(req, 400, str(exc), "invalid_request_error", None)
-            return
-        log.error("request %s failed in prefill", req.tag, exc_info=exc)
-        self.metrics.failures.labels("prefill").inc()
-        self._error(req, 500, f"internal error while starting this request (request id {req.tag})",
-                    "server_error", None)
-
-    def _decode(self) -> None:
+    def _choose(self) -> tuple[Decision, Any]:
+        """This step's mode (the policy's, unless its proposer is missing or cannot serve the batch)."""
         with self.cond:
             queued = len(self.queue)
         decision = self.policy.decide(self.batch.n, queued)
@@ -274,35 +132,21 @@ class Scheduler:
         if proposer is not None and self.batch.logprobs and getattr(proposer, "owns_step", False):
             # Proposers that run their own step do not report log-probabilities; plain decoding does.
             decision, proposer = Decision("plain", None, "log-probabilities asked for"), None
+        return decision, proposer
+
+    def _step(self, decision: Decision, proposer: Any) -> tuple[StepOutput, Decision, Any]:
+        """One engine step; a proposer that raised before the step committed anything is dropped and the
+        step redone plainly (lossless)."""
         steps0 = self.batch.stats.steps
-        n = self.batch.n
-        start = time.perf_counter()
         try:
-            out = self.engine.step(self.batch, proposer)
+            return self.engine.step(self.batch, proposer), decision, proposer
         except Exception as exc:
             if proposer is None or self.batch.stats.steps != steps0:
                 raise
             decision, proposer = self._without_proposer(decision, exc)
-            out = self.engine.step(self.batch, None)
-        seconds = time.perf_counter() - start
-        if self.fault is not None:
-            self._recovered("a decode step succeeded")
-        self.metrics.step_seconds.observe(seconds)
-        self.steps += 1
-        self.metrics.steps.labels(decision.mode).inc()
-        spec = decision.mode != "plain"
-        self.metrics.spec_steps.labels("on" if spec else "off").inc()
-        self.metrics.spec_on.set(1 if spec else 0)
-        for m in ("medusa", "draft", "plain"):
-            self.metrics.mode_info.labels(m).set(1 if m == decision.mode else 0)
-        tau = self._acceptance(proposer, out) if spec else 1.0
-        self.policy.observe(decision, n, tau, seconds)
-        log.debug("step %d: %s%s rows=%d tau=%.2f %.1f ms", self.steps, decision.mode,
-                  f" {decision.tree}" if decision.tree else "", n, tau, 1000 * seconds)
-        self._deliver(out)
+            return self.engine.step(self.batch, None), decision, proposer
 
     def _without_proposer(self, decision: Decision, exc: Exception) -> tuple[Decision, None]:
-        """A proposer that raised before the step committed anything: redo the step plainly (lossless)."""
         self.proposer_failures += 1
         self.metrics.failures.labels("proposer").inc()
         n = self.proposer_failures
@@ -310,12 +154,24 @@ class Scheduler:
                   decision.mode, n, type(exc).__name__, exc, exc_info=exc if n & (n - 1) == 0 else None)
         return Decision("plain", None, f"{decision.mode} failed"), None
 
-    def _acceptance(self, proposer: Any, out: StepOutput) -> float:
-        """Tokens per row of the speculative step just taken (tau); updates the acceptance metrics.
+    def _record(self, decision: Decision, proposer: Any, out: StepOutput, rows: int, seconds: float) -> None:
+        """The step's metrics, and its speed and acceptance for the policy to learn from."""
+        self.metrics.step_seconds.observe(seconds)
+        self.steps += 1
+        self.metrics.steps.labels(decision.mode).inc()
+        spec = decision.mode != "plain"
+        self.metrics.spec_steps.labels("on" if spec else "off").inc()
+        self.metrics.spec_on.set(1 if spec else 0)
+        for m in MODES:
+            self.metrics.mode_info.labels(m).set(1 if m == decision.mode else 0)
+        tau = self._acceptance(proposer, out) if spec else 1.0
+        self.policy.observe(decision, rows, tau, seconds)
+        log.debug("step %d: %s%s rows=%d tau=%.2f %.1f ms", self.steps, decision.mode,
+                  f" {decision.tree}" if decision.tree else "", rows, tau, 1000 * seconds)
 
-        Read from the step's own per-row counts: a row emitted its target token plus `count - 1`
-        accepted candidates (a row cut at EOS or max_tokens counts what it emitted)."""
-        accepted = (out.counts - 1).clamp(min=0).tolist()
+    def _acceptance(self, proposer: Any, out: StepOutput) -> float:
+        """Tokens per row of the speculative step just taken (tau); updates the acceptance metrics."""
+        accepted = accepted_per_row(out)
         rows = max(len(accepted), 1)
         self.metrics.observe_drafts(accepted, proposer.tree.size - 1, proposer.tree.depth)
         return 1 + sum(accepted) / rows
@@ -325,9 +181,9 @@ class Scheduler:
         now = time.perf_counter()
         finished = {f.id: f.reason for f in out.finished}
         counts = out.counts.tolist()
-        lp = out.logprobs
-        if lp is not None:  # one conversion per step, only when some row asked
-            lp_token, lp_ids, lp_top = lp.token.tolist(), lp.top_ids.tolist(), lp.top.tolist()
+        lp = None
+        if out.logprobs is not None:  # one conversion per step, only when some row asked
+            lp = out.logprobs.token.tolist(), out.logprobs.top_ids.tolist(), out.logprobs.top.tolist()
         stopped: list[Request] = []
         broken: list[tuple[Request, Exception]] = []
         for i, rid in enumerate(out.ids):
@@ -337,10 +193,7 @@ class Scheduler:
             try:  # a try costs nothing until it catches: no per-row price on the hot path
                 new = out.tokens[i, : counts[i]].tolist()
                 if req.logprobs is not None and lp is not None:
-                    k = req.logprobs
-                    req.token_logprobs.extend(
-                        (t, lp_token[i][j], list(zip(lp_ids[i][j][:k], lp_top[i][j][:k])))
-                        for j, t in enumerate(new))
+                    keep_logprobs(req, new, lp, i)
                 if self._take(req, new, now, rid in finished):
                     stopped.append(req)
                 elif rid in finished:
@@ -383,51 +236,34 @@ class Scheduler:
 
     def _detokenize(self, req: Request, final: bool) -> bool:
         """Update the request's text, send what is safe to send; True when a stop string was hit."""
-        text = self.tokenizer.decode(req.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        hit = False
-        if req.stop:
-            # Only the new part (plus an overlap the length of the longest stop string) can hold a match.
-            start = max(0, len(req.text) - max(len(s) for s in req.stop))
-            found = [i for i in (text.find(s, start) for s in req.stop) if i >= 0]
-            if found:
-                text, hit = text[: min(found)], True
-        safe = len(text)
-        if not (final or hit):
-            if req.stop:  # hold back a tail that could still become a stop string
-                safe -= max(len(s) for s in req.stop) - 1
-            while safe > 0 and text[safe - 1] == "\ufffd":  # an unfinished multi-byte character
-                safe -= 1
-        req.text = text
+        req.text, safe, hit = visible_text(self.tokenizer, req.tokens, req.stop, len(req.text), final)
         if safe > req.sent:
-            req.on_event(Event("delta", text[req.sent: safe], len(req.tokens), **self._unsent(req)))
+            req.on_event(Event("delta", req.text[req.sent: safe], len(req.tokens), **req.take_unsent()))
             req.sent = safe
         return hit
 
-    @staticmethod
-    def _unsent(req: Request) -> dict[str, Any]:
-        """The tokens (and their log-probabilities) not yet handed out: they go with the next event."""
-        start, req.unsent = req.unsent, len(req.tokens)
-        lp = req.token_logprobs[start:] if req.logprobs is not None else None
-        return {"token_ids": req.tokens[start:], "logprobs": lp}
-
-    def _finish(self, req: Request, reason: str) -> None:
+    def _close(self, req: Request) -> bool:
+        """Mark the request done and its row freed; False when it already was (it ends only once)."""
         if req.done:
-            return
+            return False
         req.done = True
         self.completions.append(time.monotonic())
+        return True
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if not self._close(req):
+            return
         self.metrics.requests.labels(reason).inc()
         if req.first_token_at is not None and len(req.tokens) > 1:
             self.metrics.tpot.observe((req.last_token_at - req.first_token_at) / (len(req.tokens) - 1))
         if reason != "cancelled":
             tail = req.text[req.sent:]
             req.sent = len(req.text)
-            req.on_event(Event("done", tail, len(req.tokens), finish_reason=reason, **self._unsent(req)))
+            req.on_event(Event("done", tail, len(req.tokens), finish_reason=reason, **req.take_unsent()))
 
     def _error(self, req: Request, status: int, message: str, error_type: str, code: str | None) -> None:
-        if req.done:
+        if not self._close(req):
             return
-        req.done = True
-        self.completions.append(time.monotonic())
         try:
             req.on_event(Event("error", message, status=status, error_type=error_type, code=code))
         except Exception:  # the receiver is gone (e.g. its event loop closed): nothing left to tell
@@ -445,7 +281,7 @@ class Scheduler:
         for r in victims:
             self._error(r, status, message.replace("{tag}", r.tag), "server_error", None)
         # A failed step may have left the batch half-updated: start from a clean one.
-        self.batch = self.engine.new_batch(self.max_batch, self.capacity, self.max_context)
+        self.batch = self.new_batch()
 
     # ---- engine faults and health -------------------------------------------------------------------
     def _engine_fault(self, exc: Exception) -> None:
@@ -478,3 +314,10 @@ class Scheduler:
     def _update_gauges(self) -> None:
         self.metrics.running.set(len(self.running))
         self.metrics.queued.set(len(self.queue))
+
+
+def keep_logprobs(req: Request, new: list[int], lp: tuple[list, list, list], row: int) -> None:
+    """Store the log-probabilities of a row's new tokens (the step's as lists: chosen, top ids, top)."""
+    token, ids, top = lp[0][row], lp[1][row], lp[2][row]
+    k = req.logprobs
+    req.token_logprobs.extend((t, token[j], list(zip(ids[j][:k], top[j][:k]))) for j, t in enumerate(new))

@@ -1,0 +1,168 @@
+"""The scheduler's way in: the admission queue (bounded, with a wait limit and a Retry-After estimate),
+cancellation, and prefill of waiting requests into free batch rows within a per-step token budget."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+
+from medusa.decoding.engine import Batch, Engine, StepOutput
+from medusa.errors import MedusaError
+from medusa.serve.metrics import Metrics
+from medusa.serve.request import Overloaded, Request
+
+log = logging.getLogger("medusa.serve.scheduler")
+DRAIN_WINDOW_S = 30.0  # completions over this window give the drain rate behind Retry-After
+RETRY_AFTER_MAX_S = 120
+
+
+class Admission:
+    """The queue side of `Scheduler`, which sets these attributes and supplies `_deliver`, `_finish` and
+    `_error` (how results and failures reach the client)."""
+
+    engine: Engine
+    metrics: Metrics
+    batch: Batch
+    cond: threading.Condition
+    queue: deque[Request]
+    running: dict[int, Request]
+    max_batch: int
+    max_queue: int
+    queue_timeout_s: float
+    prefill_budget: int
+    started_at: float
+    completions: deque[float]  # monotonic times rows were freed
+
+    # ---- called from the HTTP side -------------------------------------------------------------------
+    def submit(self, *reqs: Request) -> None:
+        """Queue requests (the choices of one HTTP request): all of them, or none when they do not fit."""
+        with self.cond:
+            free_rows = self.max_batch - len(self.running)
+            if len(self.queue) + len(reqs) > self.max_queue + max(free_rows, 0):
+                self.metrics.rejected.labels("queue_full").inc()
+                raise Overloaded()
+            self.queue.extend(reqs)
+            self.metrics.queued.set(len(self.queue))
+            self.cond.notify_all()
+
+    def cancel(self, req: Request) -> None:
+        """Client went away: the row (or queue entry) is dropped at the next step boundary."""
+        with self.cond:
+            if not req.done:
+                req.cancelled = True
+                self.cond.notify_all()
+
+    @property
+    def load(self) -> tuple[int, int]:
+        return len(self.running), len(self.queue)
+
+    def retry_after(self) -> int:
+        """Seconds until a new request would likely get a row: the requests ahead of it over the rate rows
+        were freed in the last DRAIN_WINDOW_S, clamped to [1, RETRY_AFTER_MAX_S]."""
+        now = time.monotonic()
+        with self.cond:
+            ahead = len(self.queue) + 1 - max(self.max_batch - len(self.running), 0)
+            while self.completions and now - self.completions[0] > DRAIN_WINDOW_S:
+                self.completions.popleft()
+            freed = len(self.completions)
+        if ahead <= 0:
+            return 1
+        window = min(DRAIN_WINDOW_S, max(now - self.started_at, 1.0))
+        if freed == 0:  # nothing drained lately: no evidence of an early slot
+            return RETRY_AFTER_MAX_S
+        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(ahead * window / freed)))
+
+    # ---- the engine thread, at a step boundary ------------------------------------------------------
+    def _take_admissible(self) -> list[Request]:
+        """Pop queued requests that fit the free rows and this step's prefill budget (under the lock)."""
+        self._expire_queued()
+        # Cancelled rows are dropped before this prefill, so their slots count as free.
+        free = self.batch.free + sum(1 for r in self.running.values() if r.cancelled)
+        chosen: list[Request] = []
+        longest = 0
+        while self.queue and len(chosen) < max(free, 0):
+            nxt = max(longest, len(self.queue[0].prompt))
+            # Prompts are right-padded into one pass, so its cost is rows x longest prompt.
+            if chosen and (len(chosen) + 1) * nxt > self.prefill_budget:
+                break
+            chosen.append(self.queue.popleft())
+            longest = nxt
+        return chosen
+
+    def _expire_queued(self) -> None:
+        """Drop cancelled queue entries and refuse those that waited past queue_timeout_s."""
+        now = time.perf_counter()
+        kept: deque[Request] = deque()
+        for req in self.queue:
+            if req.cancelled:
+                self._finish(req, "cancelled")
+            elif now - req.arrival > self.queue_timeout_s:
+                self.metrics.rejected.labels("queue_timeout").inc()
+                self._error(req, 503, f"request waited more than {self.queue_timeout_s:g} s for a free "
+                            "slot (server busy); retry later", "server_busy", "queue_timeout")
+            else:
+                kept.append(req)
+        self.queue = kept
+
+    def _drop_cancelled(self) -> None:
+        gone = [r for r in self.running.values() if r.cancelled]
+        if gone:
+            self.batch.remove([r.id for r in gone])
+            for r in gone:
+                del self.running[r.id]
+                self._finish(r, "cancelled")
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        """Add requests to the batch; when that fails, add them one at a time so only the culprit fails."""
+        try:
+            out = self._add(reqs)
+        except Exception as exc:
+            if len(reqs) == 1:
+                self._refuse(reqs[0], exc)
+                return
+            log.warning("prefill of %d requests failed (%s: %s); admitting them one at a time", len(reqs),
+                        type(exc).__name__, exc)
+            for r in reqs:
+                self._prefill([r])
+            return
+        self.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in reqs))
+        self._deliver(out)
+
+    def _add(self, reqs: list[Request]) -> StepOutput:
+        n0 = self.batch.n
+        for r in reqs:
+            self.running[r.id] = r
+        try:
+            return self.engine.add(self.batch, [r.id for r in reqs], [r.prompt for r in reqs],
+                                   [r.max_tokens for r in reqs], sampling=[r.sampling for r in reqs],
+                                   logprobs=[r.logprobs for r in reqs])
+        except BaseException:
+            for r in reqs:
+                self.running.pop(r.id, None)
+                self.batch.logprobs.pop(r.id, None)
+            # New rows go after the first n0, and only they can finish inside `add`: rows below n0 are
+            # untouched, so cutting the batch back to n0 rows undoes the failed admission.
+            del self.batch.ids[n0:]
+            self.batch.n = n0
+            raise
+
+    def _refuse(self, req: Request, exc: Exception) -> None:
+        if isinstance(exc, MedusaError):  # the engine's own input check: the request's fault
+            self._error(req, 400, str(exc), "invalid_request_error", None)
+            return
+        log.error("request %s failed in prefill", req.tag, exc_info=exc)
+        self.metrics.failures.labels("prefill").inc()
+        self._error(req, 500, f"internal error while starting this request (request id {req.tag})",
+                    "server_error", None)
+
+    def _deliver(self, out: StepOutput) -> None:
+        raise NotImplementedError
+
+    def _finish(self, req: Request, reason: str) -> None:
+        raise NotImplementedError
+
+    def _error(self, req: Request, status: int, message: str, error_type: str, code: str | None) -> None:
+        raise NotImplementedError

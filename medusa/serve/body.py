@@ -1,0 +1,115 @@
+"""Request bodies checked at the edge, before anything reaches the engine: size (413), JSON syntax,
+nesting depth and text encoding, then the request model's types and bounds (400)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request as HttpRequest
+from pydantic import ValidationError
+
+from medusa.io import problem
+from medusa.serve.errors import ApiError
+
+MAX_JSON_DEPTH = 16  # the deepest valid body is 5 levels (messages -> message -> content -> part)
+MAX_PARAM_ECHO = 64  # characters of a client-chosen field name quoted back in an error
+
+
+async def read_body(http: HttpRequest, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    too_large = ApiError(413, f"request body is larger than this server's limit of {limit} bytes", None,
+                         "request_too_large")
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def load_json(raw: bytes) -> Any:
+    """json.loads, with every way the input can be malformed as a 400 (including NaN/Infinity, which
+    Python accepts but JSON does not, and nesting too deep for the parser)."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constants)
+    except RecursionError:
+        raise ApiError(400, f"request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, bad UTF-8, over-long integers
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    check_json(data)
+    return data
+
+
+def check_json(data: Any) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH and text that is not valid Unicode (JSON's `\\ud800`
+    escapes decode to lone surrogates, which no tokenizer or UTF-8 writer accepts)."""
+    stack: list[tuple[Any, int, tuple]] = [(data, 1, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+            continue
+        if not isinstance(value, (dict, list)):  # a number, bool or null at the top
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
+                           _param(path))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                _check_text(key, path)
+            if isinstance(item, (str, dict, list)):  # numbers are the bulk of a token-id prompt: skip fast
+                stack.append((item, depth + 1, path + (key,)))
+
+
+def _check_text(text: str, path: tuple) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"invalid text in {_param(path) or 'the request body'}: character {exc.start} is "
+                       "a lone UTF-16 surrogate (not valid Unicode)", _param(path)) from None
+
+
+def _param(path: tuple) -> str | None:
+    return ".".join(str(p) for p in path)[:MAX_PARAM_ECHO] or None
+
+
+def parse_body(raw: bytes, model: type) -> Any:
+    data = load_json(raw)
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise invalid_request(exc) from None
+
+
+def invalid_request(exc: ValidationError) -> ApiError:
+    """A 400 naming the first problem's field (in `param`) and how many more there are."""
+    # In a union every member reports; a bound that failed says more than "not a string".
+    errors = exc.errors()
+    err = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+    key, msg = problem(err, drop=_is_type_tag)
+    param = key[:MAX_PARAM_ECHO] or None
+    if err["type"] == "extra_forbidden":
+        msg = f"unknown field {param!r} (not supported by this server)"
+    elif err["type"] == "missing":
+        msg = f"missing required field {param!r}"
+    else:
+        msg = f"invalid value for {param!r}: {msg}"
+    extra = len(errors) - 1
+    return ApiError(400, msg + (f" (and {extra} more problems)" if extra else ""), param)
+
+
+def _is_type_tag(part: str) -> bool:
+    """pydantic puts the union member tried (`str`, `list[int]`, `function-after[...]`) into `loc`."""
+    return part in ("str", "int", "float", "bool") or "[" in part or part.startswith("constrained-")
