@@ -273,7 +273,8 @@ class Engine:
         return self._emit(batch, rows, new, verdict.accepted + 1, lp, verdict.accepted, width)
 
     @staticmethod
-    def _commit(batch: Batch, rows: slice, tokens: torch.Tensor, hidden: torch.Tensor, verdict: Verdict) -> torch.Tensor:
+    def _commit(batch: Batch, rows: slice, tokens: torch.Tensor, hidden: torch.Tensor,
+                verdict: Verdict) -> torch.Tensor:
         """Keep each row's accepted path (cache entries, committed tokens, the last node's hidden state),
         set its next root; returns the new output tokens [n, D+1] (the first accepted + 1 valid)."""
         accepted = verdict.accepted

@@ -19,7 +19,8 @@ import torch
 
 from medusa.decoding.dynamic_tree import stand_in_tree
 from medusa.decoding.feature_heads import SHIPPED_FEATURE_DIR, FeatureHead, read_kind
-from medusa.decoding.feature_proposer import FeatureProposer, TreeShape, expected_tau_dynamic, parse_shape, shape_candidates
+from medusa.decoding.feature_proposer import (FeatureProposer, TreeShape, expected_tau_dynamic, parse_shape,
+                                              shape_candidates)
 from medusa.decoding.feature_runner import HeadRunner, draft_pass_ms
 from medusa.errors import MedusaError
 from medusa.runtime.auto import MARGIN, Plan, read_accuracy
