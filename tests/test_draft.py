@@ -101,7 +101,7 @@ def test_saved_truncated_draft_round_trips(target, tmp_path):
         for p in draft.model.layers.parameters():  # stored as bf16: make the reference exactly representable
             p.copy_(p.to(torch.bfloat16).float())
     save_truncated(draft, tmp_path, {"hidden_size": model.config.hidden_size})
-    loaded = load_draft(str(tmp_path), model)
+    loaded = load_draft(str(tmp_path), model).transformer
     ids = torch.tensor([[1, 2, 3, 4]])
     want = draft(ids).logits
     cache = loaded.new_cache(1, 8)
@@ -129,13 +129,13 @@ def test_reduced_vocabulary_draft(target, tmp_path):
     vocab = torch.arange(0, 97, 2)  # even ids only
     save_truncated(draft, tmp_path, {"hidden_size": model.config.hidden_size}, vocab)
     loaded = load_draft(str(tmp_path), model)
-    assert loaded.draft_vocab.tolist() == vocab.tolist()
+    assert loaded.vocab.tolist() == vocab.tolist()
     prompts = mixed_prompts(5, seed=41)
     plain = engine.generate(prompts, MAX_NEW)
     proposer = DraftProposer(loaded, 3)
     batch = engine.new_batch(5, 64, MAX_NEW)
     engine.add(batch, list(range(5)), prompts, MAX_NEW)
-    assert (proposer.propose(batch) % 2 == 0).all()
+    assert (proposer.propose(batch).tokens % 2 == 0).all()
     spec = engine.generate(prompts, MAX_NEW, proposer)
     assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
 

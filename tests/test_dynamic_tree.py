@@ -4,10 +4,10 @@ node selection always yields a tree."""
 import pytest
 import torch
 
-from medusa.decoding.dynamic_tree import Pool, row_trees, select_nodes, verify_greedy, verify_sampled
+from medusa.decoding.dynamic_tree import Pool, row_trees, select_nodes
 from medusa.decoding.sampling import MODE_REJECTION
 from medusa.decoding.tree import Tree, chain
-from medusa.decoding.verifier import GreedyVerifier, SamplingVerifier
+from medusa.decoding.verifier import Candidates, GreedyVerifier, SamplingVerifier
 
 STATIC = Tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 0, 0]], name="t")
 
@@ -52,8 +52,8 @@ def test_greedy_verification_matches_the_static_verifier():
     for _ in range(20):
         tokens = distinct_siblings(STATIC, n, v, g)
         logits = torch.randn(n, STATIC.size, v, generator=g)
-        want = GreedyVerifier().verify(logits, tokens, STATIC.buffers())
-        got = verify_greedy(logits, tokens, row_trees(tokens[:, 1:], parent, live, STATIC.depth))
+        want = GreedyVerifier().verify(logits, Candidates.shared(tokens, STATIC.buffers()))
+        got = GreedyVerifier().verify(logits, row_trees(tokens[:, 1:], parent, live, STATIC.depth).candidates(tokens))
         assert torch.equal(got.accepted, want.accepted) and torch.equal(got.next_token, want.next_token)
         acc = want.accepted
         for r in range(n):
@@ -79,9 +79,9 @@ def test_rejection_verification_matches_the_static_verifier():
         tokens = distinct_siblings(STATIC, n, v, g)
         p = torch.softmax(torch.randn(n, STATIC.size, v, generator=g), -1)
         rows = slice(0, n)
-        want = SamplingVerifier().verify(p, tokens, STATIC.buffers(), FixedUniforms(n, seed), rows)
-        got = verify_sampled(p, tokens, row_trees(tokens[:, 1:], parent, live, STATIC.depth),
-                             FixedUniforms(n, seed), rows)
+        want = SamplingVerifier().verify(p, Candidates.shared(tokens, STATIC.buffers()), FixedUniforms(n, seed), rows)
+        got = SamplingVerifier().verify(p, row_trees(tokens[:, 1:], parent, live, STATIC.depth).candidates(tokens),
+                                        FixedUniforms(n, seed), rows)
         assert torch.equal(got.accepted, want.accepted) and torch.equal(got.next_token, want.next_token)
 
 
@@ -108,7 +108,7 @@ def test_selection_keeps_parents_and_dead_nodes_are_never_accepted():
         trees = pool.trees(nodes, depth)
         logits = torch.randn(n, nodes + 1, 9, generator=g)
         tokens = torch.cat([torch.zeros(n, 1, dtype=torch.long), trees.tokens], 1)
-        verdict = verify_greedy(logits, tokens, trees)
+        verdict = GreedyVerifier().verify(logits, trees.candidates(tokens))
         dead = trees.path_len == 0
         dead[:, 0] = False
         for r in range(n):

@@ -6,7 +6,7 @@ import torch
 from conftest import hf_greedy, mixed_prompts, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
-from medusa.decoding.proposers import MedusaProposer
+from medusa.decoding.proposers import MedusaProposer, Proposal
 from medusa.decoding.transformer import Transformer
 from medusa.decoding.tree import Tree, chain, load_tree
 
@@ -58,7 +58,7 @@ class OracleProposer:
                 good = pos + d - 1 < len(ref) and all(x == 0 for x in path) and d <= cut
                 tok = ref[pos + d - 1] if good else (ref[min(pos + d - 1, len(ref) - 1)] + 1 + path[-1]) % self.vocab
                 out[r, i] = tok
-        return out
+        return Proposal(out)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -302,3 +302,34 @@ def test_rmsnorm_matches_hf(dtype):
             assert torch.equal(got, ref)
         else:  # one rounding (ours) vs two (HF's normalise-then-scale): at most one bf16 step apart
             assert ((got - ref).abs() <= ref.abs() * 2 ** -7 + 1e-6).all()
+
+
+class RightOrWrong:
+    """Proposes the true greedy continuation for the rows in `right`, a wrong token at every node elsewhere."""
+
+    name = "right-or-wrong"
+
+    def __init__(self, tree: Tree, reference: dict, vocab: int, right: set):
+        self.tree, self.reference, self.vocab, self.right = tree, reference, vocab, right
+
+    def propose(self, batch):
+        out = torch.zeros(batch.n, self.tree.size - 1, dtype=torch.long)
+        for r in range(batch.n):
+            ref, pos = self.reference[batch.ids[r]], int(batch.out_len[r])  # ref[pos]: the token after the root
+            for i, path in enumerate(self.tree.nodes):
+                tok = ref[pos + len(path) - 1]
+                out[r, i] = tok if batch.ids[r] in self.right else (tok + 1) % self.vocab
+        return Proposal(out)
+
+
+def test_step_output_reports_accepted_candidates(setup):
+    """Row 0 is offered the true continuation (all 3 accepted), row 1 wrong tokens (none accepted)."""
+    model, engine = setup
+    prompts = mixed_prompts(2)
+    reference = {i: o.tokens for i, o in enumerate(engine.generate(prompts, MAX_NEW).outputs)}
+    proposer = RightOrWrong(chain(3), reference, model.config.vocab_size, right={0})
+    batch = engine.new_batch(2, max(map(len, prompts)) + MAX_NEW + 8, MAX_NEW)
+    assert engine.add(batch, [0, 1], prompts, MAX_NEW).accepted.tolist() == [0, 0]
+    out = engine.step(batch, proposer)
+    assert out.accepted.tolist() == [3, 0] and out.counts.tolist() == [4, 1]
+    assert out.tokens[0].tolist() == reference[0][1:5] and out.tokens[1, 0] == reference[1][1]

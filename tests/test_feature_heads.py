@@ -11,7 +11,8 @@ import torch
 from conftest import hf_greedy, mixed_prompts, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig, FeatureProposer, TreeShape, read_kind
+from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig, read_kind
+from medusa.decoding.feature_proposer import FeatureProposer, TreeShape
 from medusa.decoding.sampling import SamplingParams
 from medusa.decoding.transformer import Transformer
 

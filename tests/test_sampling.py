@@ -7,7 +7,7 @@ from conftest import hf_greedy, mixed_prompts, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
-from medusa.decoding.proposers import MedusaProposer
+from medusa.decoding.proposers import MedusaProposer, Proposal
 from medusa.decoding.sampling import SamplingParams
 from medusa.decoding.transformer import Transformer
 from medusa.decoding.tree import chain, load_tree
@@ -72,7 +72,7 @@ class SampledChain:
         logits = torch.randn(n, self.tree.size - 1, V, generator=self.gen) * 1.5
         q = torch.softmax(logits, -1)
         tokens = torch.multinomial(q.view(-1, V), 1, generator=self.gen).view(n, -1)
-        return tokens, q
+        return Proposal(tokens, q)
 
 
 def random_heads(model, seed=0):

@@ -8,7 +8,7 @@ from medusa.errors import MedusaError
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
 from medusa.decoding.proposers import MedusaProposer
 from medusa.decoding.tree import Tree, build_tree, chain, load_tree
-from medusa.decoding.verifier import GreedyVerifier
+from medusa.decoding.verifier import Candidates, GreedyVerifier
 
 
 def test_tree_buffers_hand_worked():
@@ -47,7 +47,7 @@ def test_greedy_verifier_picks_longest_path():
     # target argmax after each node: root->2 (so node 2 accepted), node2 -> 6 (node 5 accepted), node5 -> 9
     pred = torch.tensor([[2, 0, 6, 0, 0, 9, 0]])
     logits = torch.nn.functional.one_hot(pred, v).float()
-    verdict = GreedyVerifier().verify(logits, tokens, tree.buffers())
+    verdict = GreedyVerifier().verify(logits, Candidates.shared(tokens, tree.buffers()))
     assert verdict.accepted.tolist() == [2]
     assert verdict.path[0, :3].tolist() == [0, 2, 5]
     assert verdict.next_token.tolist() == [9]

@@ -11,6 +11,10 @@ The draft keeps its own KV cache per batch row (`batch.aux["draft"]`). Each `pro
    blocks that fit the cache);
 3. runs K-1 single-token greedy steps.
 
+A draft is a `DraftModel`: its Transformer and the head that scores its next token, which may score only
+part of the vocabulary (`vocab`, the full id of each row): a full-vocabulary projection is the costliest
+part of a small draft.
+
 Nothing loops over rows in Python. The verifier sees a chain (`medusa.decoding.tree.chain(K)`), so greedy output is
 token-identical to plain decoding whatever the draft proposes.
 """
@@ -18,6 +22,7 @@ token-identical to plain decoding whatever the draft proposes.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +30,8 @@ import torch
 
 from medusa.errors import MedusaError
 from medusa.io import ASSETS
+from medusa.decoding.proposers import Proposal
+from medusa.decoding.ragged import aux_state, catch_up, causal, common_prefix, context
 from medusa.decoding.sampling import argmax
 from medusa.decoding.transformer import KVCache, Transformer, _packed
 from medusa.decoding.tree import chain
@@ -50,39 +57,52 @@ class DraftState:
             self.tokens[torch.tensor(dst, device=self.tokens.device)] = self.tokens[s]
 
 
+@dataclass
+class DraftModel:
+    """A draft: its Transformer, the head that scores its next token (the Transformer's own lm_head, or
+    the target's projection restricted to `vocab`) and `vocab` [V'] long, the full id of each head row
+    (None: the head scores the whole vocabulary)."""
+
+    transformer: Transformer
+    head: torch.nn.Module
+    vocab: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, transformer: Transformer) -> "DraftModel":
+        return cls(transformer, transformer.lm_head)
+
+    @property
+    def config(self):
+        return self.transformer.config
+
+    def next_token(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's greedy token (full vocabulary id) after each hidden state [..., h]."""
+        best = argmax(self.head(hidden))
+        return self.vocab[best] if self.vocab is not None else best
+
+
 class DraftProposer:
     """Greedy chain of `k` tokens from a draft Transformer that shares the target's tokenizer."""
 
     name = "draft"
 
-    def __init__(self, draft: Transformer, k: int = 4):
+    def __init__(self, draft: DraftModel | Transformer, k: int = 4):
         if k < 1:
             raise MedusaError(f"draft k must be >= 1, got {k}")
-        self.draft = draft
+        self.model = draft if isinstance(draft, DraftModel) else DraftModel.of(draft)
+        self.draft = self.model.transformer
         self.k = k
         self.tree = chain(k)
-        # A draft may score only a subset of the vocabulary (see `vocab_subset_head`): its projection is
-        # the costliest part of a small draft over a large vocabulary.
-        self.head = getattr(draft, "draft_head", None) or draft.lm_head
-        self.vocab = getattr(draft, "draft_vocab", None)
-
-    def _next(self, hidden: torch.Tensor) -> torch.Tensor:
-        best = argmax(self.head(hidden))
-        return self.vocab[best] if self.vocab is not None else best
 
     def _state(self, batch: "Batch") -> DraftState:
-        state = batch.aux.get(AUX_KEY)
         # Room for the target's committed prefix, the K speculative slots and one catch-up block.
         need = batch.cache.capacity + self.k + 1
-        if (not isinstance(state, DraftState) or state.owner is not self.draft
-                or state.cache.rows < batch.cache.rows or state.cache.capacity < need):
-            with torch.inference_mode(False):  # normal tensors: rows are moved outside inference mode too
-                state = DraftState(self.draft, batch.cache.rows, need)
-            batch.aux[AUX_KEY] = state
-        return state
+        return aux_state(batch, AUX_KEY, lambda s: isinstance(s, DraftState) and s.owner is self.draft
+                         and s.cache.rows >= batch.cache.rows and s.cache.capacity >= need,
+                         lambda: DraftState(self.draft, batch.cache.rows, need))
 
     @torch.inference_mode()
-    def propose(self, batch: "Batch") -> torch.Tensor:
+    def propose(self, batch: "Batch") -> Proposal:
         n = batch.n
         rows = slice(0, n)
         state = self._state(batch)
@@ -90,14 +110,13 @@ class DraftProposer:
         dev = self.draft.device
         target_len = batch.cache.lens[rows]
         # Context the draft must have seen: committed tokens, then the pending root at position target_len.
-        width = int(target_len.max()) + 1
-        ctx = batch.seq[rows, :width].clone()
-        ctx.scatter_(1, target_len[:, None], batch.root[rows, None])
-        ctx_len = target_len + 1
-        cache.lens[rows] = _valid_prefix(state.tokens[rows, :width], ctx, torch.minimum(cache.lens[rows], ctx_len - 1))
-        last = self._catch_up(cache, state, rows, ctx, ctx_len)
+        ctx = context(batch)
+        width, ctx_len = ctx.shape[1], target_len + 1
+        cache.lens[rows] = common_prefix(state.tokens[rows, :width], ctx,
+                                         torch.minimum(cache.lens[rows], ctx_len - 1))
+        last = self._catch_up(state, rows, ctx, ctx_len)
         out = torch.empty(n, self.k, dtype=torch.long, device=dev)
-        token = self._next(last)
+        token = self.model.next_token(last)
         out[:, 0] = token
         one = torch.ones(1, 1, dtype=torch.bool, device=dev)
         for i in range(1, self.k):
@@ -105,45 +124,24 @@ class DraftProposer:
             state.tokens[rows].scatter_(1, lens[:, None], token[:, None])
             hidden = self.draft(token[:, None], lens[:, None], cache, rows, one)
             cache.lens[rows] += 1
-            token = self._next(hidden[:, 0])
+            token = self.model.next_token(hidden[:, 0])
             out[:, i] = token
-        return out.to(batch.root.device)
+        return Proposal(out.to(batch.root.device))
 
-    def _catch_up(self, cache: KVCache, state: DraftState, rows: slice, ctx: torch.Tensor,
-                  ctx_len: torch.Tensor) -> torch.Tensor:
+    def _catch_up(self, state: DraftState, rows: slice, ctx: torch.Tensor, ctx_len: torch.Tensor) -> torch.Tensor:
         """Feed each row ctx[r, cache_len:ctx_len]; return the draft's hidden state after the last one."""
-        n = ctx.shape[0]
-        dev = ctx.device
-        last = torch.zeros(n, self.draft.config.hidden_size, dtype=self.draft.dtype, device=dev)
-        ar = torch.arange(n, device=dev)
-        while True:
-            lens = cache.lens[rows]
-            todo = ctx_len - lens
-            most = int(todo.max())
-            if most <= 0:
-                return last
-            t = min(most, cache.capacity - int(lens.max()))
-            j = torch.arange(t, device=dev)
-            idx = (lens[:, None] + j).clamp(max=ctx.shape[1] - 1)
-            tokens = ctx.gather(1, idx)
-            causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-            hidden = self.draft(tokens, lens[:, None] + j, cache, rows, causal)
-            count = todo.clamp(min=0, max=t)
-            taken = j < count[:, None]
-            tok_rows = state.tokens[rows]
-            slots = (lens[:, None] + j).clamp(max=tok_rows.shape[1] - 1)
-            tok_rows.scatter_(1, slots, torch.where(taken, tokens, tok_rows.gather(1, slots)))  # a view: in place
-            finished = (count > 0) & (count == todo)
-            pick = hidden[ar, (count - 1).clamp(min=0)]
-            last = torch.where(finished[:, None], pick, last)
-            cache.lens[rows] = lens + count
+        def run(lens: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+            slots = lens[:, None] + j
+            tokens = ctx.gather(1, slots.clamp(max=ctx.shape[1] - 1))
+            hidden = self.draft(tokens, slots, state.cache, rows, causal(len(j), ctx.device))
+            taken = j < (ctx_len - lens).clamp(min=0)[:, None]
+            tok_rows = state.tokens[rows]  # a view: written in place
+            slots = slots.clamp(max=tok_rows.shape[1] - 1)
+            tok_rows.scatter_(1, slots, torch.where(taken, tokens, tok_rows.gather(1, slots)))
+            return hidden
 
-
-def _valid_prefix(cached: torch.Tensor, ctx: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
-    """Per row, the length of the common prefix of `cached` and `ctx`, at most `limit`."""
-    pos = torch.arange(ctx.shape[1], device=ctx.device)
-    differs = (cached != ctx) | (pos[None, :] >= limit[:, None])
-    return torch.where(differs.any(1), differs.long().argmax(1), limit)
+        last = torch.zeros(ctx.shape[0], self.draft.config.hidden_size, dtype=self.draft.dtype, device=ctx.device)
+        return catch_up(state.cache, rows, ctx_len, last, run)
 
 
 # ---- building a draft model -------------------------------------------------------------------------
@@ -208,16 +206,14 @@ def save_truncated(draft: torch.nn.Module, directory: str | Path, meta: dict,
 SHIPPED_DRAFT = ASSETS / "draft"
 
 
-def load_draft(spec: str, target: torch.nn.Module) -> Transformer:
-    """A draft Transformer for `target` (see `load_draft_hf` for the accepted specs), with its reduced
-    vocabulary head attached when it was trained with one."""
-    hf = load_draft_hf(spec, target)
+def load_draft(spec: str, target: torch.nn.Module) -> DraftModel:
+    """A draft for `target` (see `load_draft_hf` for the accepted specs), scoring through its reduced
+    vocabulary head when it was trained with one."""
+    hf, vocab = _load(spec, target)
     model = Transformer(hf)
-    vocab = getattr(hf, "draft_vocab", None)
-    if vocab is not None:
-        model.draft_vocab = vocab.to(model.device)
-        model.draft_head = _packed(vocab_subset_head(target, vocab))
-    return model
+    if vocab is None:
+        return DraftModel.of(model)
+    return DraftModel(model, _packed(vocab_subset_head(target, vocab)), vocab.to(model.device))
 
 
 def vocab_subset_head(target: torch.nn.Module, vocab: torch.Tensor) -> torch.nn.Linear:
@@ -235,6 +231,11 @@ def load_draft_hf(spec: str, target: torch.nn.Module) -> torch.nn.Module:
     layers, untrained), a directory written by `medusa train-draft`, or any HF model directory / hub id
     sharing the target's tokenizer.
     """
+    return _load(spec, target)[0]
+
+
+def _load(spec: str, target: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor | None]:
+    """The draft as an HF causal LM and its reduced vocabulary (None: the whole vocabulary)."""
     from safetensors.torch import load_file
 
     if spec.startswith("layers:"):
@@ -242,7 +243,7 @@ def load_draft_hf(spec: str, target: torch.nn.Module) -> torch.nn.Module:
             n = int(spec.split(":", 1)[1])
         except ValueError:
             raise MedusaError(f"--draft: {spec!r}: expected layers:N with an integer N") from None
-        return truncated_model(target, n)
+        return truncated_model(target, n), None
     directory = SHIPPED_DRAFT if spec == "default" else Path(spec)
     if (directory / DRAFT_FILES[1]).exists():
         info = json.loads((directory / DRAFT_FILES[1]).read_text())
@@ -257,12 +258,9 @@ def load_draft_hf(spec: str, target: torch.nn.Module) -> torch.nn.Module:
         if missing or unexpected:
             raise MedusaError(f"--draft: {directory} does not match the target (missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]})")
-        draft = draft.to(target.dtype)
-        if vocab is not None:
-            if int(vocab.max()) >= target.config.vocab_size:
-                raise MedusaError(f"--draft: {directory} scores token ids beyond the target's vocabulary")
-            draft.draft_vocab = vocab.long()
-        return draft
+        if vocab is not None and int(vocab.max()) >= target.config.vocab_size:
+            raise MedusaError(f"--draft: {directory} scores token ids beyond the target's vocabulary")
+        return draft.to(target.dtype), None if vocab is None else vocab.long()
     if spec == "default":
         raise MedusaError("--draft default: no shipped draft model; build one with `medusa train-draft` "
                           "or pass --draft layers:N")
@@ -272,4 +270,4 @@ def load_draft_hf(spec: str, target: torch.nn.Module) -> torch.nn.Module:
     if hf.config.vocab_size < target.config.vocab_size:
         raise MedusaError(f"--draft: {spec} has a vocabulary of {hf.config.vocab_size}, the target "
                           f"{target.config.vocab_size}; the draft must share the target's tokenizer")
-    return hf
+    return hf, None

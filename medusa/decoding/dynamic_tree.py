@@ -7,13 +7,13 @@ steps the N best nodes overall are verified. Scores only fall along a path (ties
 shallower node), so a kept node's parent is always kept and the selection is a tree.
 
 Shapes differ by row, so the tree tensors carry a row dimension (`RowTrees`, the batched counterpart of
-`TreeBuffers`) and the verification is the batched counterpart of `medusa.decoding.verifier`. Every row has the same
+`TreeBuffers`); the verifiers (`medusa.decoding.verifier`) read per-row trees anyway. Every row has the same
 number of nodes T, so the target pass stays one dense [B, T] block with a [B, T, T] mask. Rows may hold
 *dead* nodes (padding: a row drafting a sampled chain shorter than the others); a dead node sits at depth 1,
 sees only the root and itself, and is on no path and in no child list, so it can never be accepted.
 
-`tree_step` is the engine step for proposers that build such trees (`proposer.owns_step`): the same pass,
-verification, commit and emission as `Engine.step`, with per-row trees. `Engine.step` itself is unchanged.
+`Engine.step` asks proposers that build such trees (`proposer.owns_step`) for a step's `RowTrees` with
+`draft`, and tells them the verdict with `observe`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from medusa.decoding.sampling import MODE_TYPICAL, argmax, sample_from
 from medusa.decoding.tree import Tree
-from medusa.decoding.verifier import Verdict
+from medusa.decoding.verifier import Candidates, Verdict
 
 if TYPE_CHECKING:
-    from medusa.decoding.engine import Batch, Engine, StepOutput
+    from medusa.decoding.engine import Batch
 
 NEG = float("-inf")
 
@@ -64,6 +63,10 @@ class RowTrees:
     @property
     def max_depth(self) -> int:
         return self.paths.shape[2] - 1
+
+    def candidates(self, tokens: torch.Tensor) -> Candidates:
+        """What the verifier reads, for tokens [n, T] (the roots, then `self.tokens`)."""
+        return Candidates(tokens, self.paths, self.path_len, self.children, self.parent, self.proposal)
 
 
 def row_trees(tokens: torch.Tensor, parent: torch.Tensor, live: torch.Tensor, depth_bound: int,
@@ -132,117 +135,6 @@ def select_nodes(pool_score: torch.Tensor, pool_parent: torch.Tensor, pool_depth
     return chosen, par_node.clamp(min=0)
 
 
-# ---- verification --------------------------------------------------------------------------------
-
-
-def verify_greedy(logits: torch.Tensor, tokens: torch.Tensor, trees: RowTrees) -> Verdict:
-    """Longest path whose tokens equal the target's argmax at each parent, per row (cf. GreedyVerifier)."""
-    pred = argmax(logits)  # [n, T]
-    return _greedy_from(pred, tokens, trees)
-
-
-def _greedy_from(pred: torch.Tensor, tokens: torch.Tensor, trees: RowTrees) -> Verdict:
-    n = tokens.shape[0]
-    paths = trees.paths  # [n, P, D+1]
-    _, p, d1 = paths.shape
-    child = tokens.gather(1, paths[:, :, 1:].reshape(n, -1)).view(n, p, d1 - 1)
-    parent_pred = pred.gather(1, paths[:, :, :-1].reshape(n, -1)).view(n, p, d1 - 1)
-    depth = torch.arange(d1 - 1, device=tokens.device)
-    ok = (child == parent_pred) & (depth < trees.path_len[:, :, None])
-    run = ok.long().cumprod(-1).sum(-1)  # [n, P]
-    accepted, best = run.max(-1)
-    path = paths[torch.arange(n, device=tokens.device), best]
-    last = path.gather(1, accepted[:, None])[:, 0]
-    return Verdict(accepted, path, pred.gather(1, last[:, None])[:, 0])
-
-
-def verify_sampled(p: torch.Tensor, tokens: torch.Tensor, trees: RowTrees, sampling, rows: slice) -> Verdict:
-    """Rejection (lossless) or typical acceptance per row, as `SamplingVerifier`, over per-row trees."""
-    rejection = _rejection(p, tokens, trees, sampling, rows)
-    typical = sampling.mode[rows] == MODE_TYPICAL
-    if not bool(typical.any()):
-        return rejection
-    t = _typical(p, tokens, trees, sampling, rows)
-    return Verdict(torch.where(typical, t.accepted, rejection.accepted),
-                   torch.where(typical[:, None], t.path, rejection.path),
-                   torch.where(typical, t.next_token, rejection.next_token))
-
-
-def _rejection(p, tokens, trees: RowTrees, sampling, rows_slice) -> Verdict:
-    """Walk down each row's tree; try a node's children in rank order, accepting child c with probability
-    min(1, r(c) / q_c(c)) (r: the target distribution less the mass of rejected siblings); on rejection
-    r <- norm(max(0, r - q_c)) (a point mass q_c removes c). With no child accepted, sample from r."""
-    n, _, _ = p.shape
-    dev = p.device
-    rows = torch.arange(n, device=dev)
-    depth_max = trees.max_depth
-    width = trees.children.shape[2]
-    proposal = trees.proposal
-    u = sampling.uniform(rows_slice, depth_max * width + 1)
-    cur = torch.zeros(n, dtype=torch.long, device=dev)
-    path = torch.zeros(n, depth_max + 1, dtype=torch.long, device=dev)
-    accepted = torch.zeros(n, dtype=torch.long, device=dev)
-    searching = torch.ones(n, dtype=torch.bool, device=dev)
-    residual = p[rows, cur].clone()
-    for level in range(depth_max):
-        moved = torch.zeros(n, dtype=torch.bool, device=dev)
-        nxt = cur.clone()
-        for i in range(width):
-            child = trees.children[rows, cur, i]
-            trying = searching & ~moved & (child >= 0)
-            if not bool(trying.any()):
-                break
-            c = child.clamp(min=0)
-            tok = tokens[rows, c]
-            r = residual / residual.sum(-1, keepdim=True).clamp(min=1e-30)
-            if proposal is None:
-                q, q_tok = None, torch.ones(n, device=dev)
-            else:
-                q = proposal[rows, (c - 1).clamp(min=0)]
-                q_tok = q[rows, tok]
-            ratio = (r[rows, tok] / q_tok.clamp(min=1e-20)).clamp(max=1.0)
-            ok = trying & (u[:, level * width + i] < ratio)
-            rejected = trying & ~ok
-            if q is None:
-                residual[rows[rejected], tok[rejected]] = 0.0
-            else:
-                residual = torch.where(rejected[:, None], (r - q).clamp(min=0.0), residual)
-            moved |= ok
-            nxt = torch.where(ok, c, nxt)
-        searching &= moved
-        cur = nxt
-        accepted += moved.long()
-        path[:, level + 1] = cur
-        residual = torch.where(moved[:, None], p[rows, cur], residual)
-    for level in range(1, depth_max + 1):
-        path[:, level] = torch.where(accepted >= level, path[:, level], path[:, level - 1])
-    empty = residual.sum(-1) <= 0
-    residual = torch.where(empty[:, None], p[rows, cur], residual)
-    return Verdict(accepted, path, sample_from(residual, u[:, -1]))
-
-
-def _typical(p, tokens, trees: RowTrees, sampling, rows) -> Verdict:
-    n = p.shape[0]
-    entropy = -(p * torch.log(p.clamp(min=1e-20))).sum(-1)  # [n, T]
-    threshold = torch.minimum(sampling.epsilon[rows, None], sampling.delta[rows, None] * torch.exp(-entropy))
-    parent_p = p.gather(1, trees.parent[:, :, None].expand_as(p))
-    node_prob = parent_p.gather(-1, tokens[..., None])[..., 0]  # each node's token under its parent's p
-    node_ok = node_prob > threshold.gather(1, trees.parent)
-    paths = trees.paths
-    _, np_, d1 = paths.shape
-    ok = node_ok.gather(1, paths[:, :, 1:].reshape(n, -1)).view(n, np_, d1 - 1)
-    ok &= torch.arange(d1 - 1, device=p.device) < trees.path_len[:, :, None]
-    run = ok.long().cumprod(-1).sum(-1)
-    accepted, best = run.max(-1)
-    path = paths[torch.arange(n, device=p.device), best]
-    last = path.gather(1, accepted[:, None])[:, 0]
-    u = sampling.uniform(rows, 1)[:, 0]
-    return Verdict(accepted, path, sample_from(p[torch.arange(n, device=p.device), last], u))
-
-
-# ---- the engine step for per-row trees -----------------------------------------------------------
-
-
 class TreeProposer(Protocol):
     """A proposer that builds a tree per row (`owns_step = True`); `tree` is a stand-in with the largest
     size and depth it will ever propose (the engine sizes caches from it)."""
@@ -254,45 +146,6 @@ class TreeProposer(Protocol):
     def draft(self, batch: "Batch") -> RowTrees: ...
 
     def observe(self, batch: "Batch", hidden: torch.Tensor, tokens: torch.Tensor, verdict: Verdict) -> None: ...
-
-
-def tree_step(engine: "Engine", batch: "Batch", proposer: TreeProposer) -> "StepOutput":
-    """One verification pass with per-row trees: what `Engine.step` does for one shared tree."""
-    n = batch.n
-    rows = slice(0, n)
-    trees = proposer.draft(batch)
-    tokens = torch.cat([batch.root[rows, None], trees.tokens.to(batch.root.device)], dim=1)
-    positions = batch.cache.lens[rows, None] + trees.depth
-    hidden = engine.model(tokens, positions, batch.cache, rows, trees.mask)
-    logits = engine.model.lm_head(hidden)
-    if batch.sampling.any_sampling(rows):
-        verdict = verify_sampled(batch.sampling.probs(logits, rows), tokens, trees, batch.sampling, rows)
-    else:
-        verdict = verify_greedy(logits, tokens, trees)
-    proposer.observe(batch, hidden, tokens, verdict)
-    accepted = verdict.accepted
-    committed = tokens.gather(1, verdict.path)
-    lens = batch.cache.lens[rows, None]
-    idx = lens + torch.arange(committed.shape[1], device=lens.device)
-    seq = batch.seq[rows]
-    valid = idx - lens <= accepted[:, None]
-    seq.scatter_(1, idx, torch.where(valid, committed, seq.gather(1, idx)))
-    batch.cache.commit(rows, verdict.path, accepted + 1)
-    last = verdict.path.gather(1, accepted[:, None])[:, 0]
-    batch.hidden[rows] = hidden[torch.arange(n, device=hidden.device), last]
-    batch.root[rows] = verdict.next_token
-    new = torch.cat([committed[:, 1:], verdict.next_token[:, None]], dim=1)
-    new.scatter_(1, accepted[:, None], verdict.next_token[:, None])
-    batch.stats.forward_passes += 1
-    batch.stats.steps += 1
-    batch.stats.row_steps += n
-    batch.stats.add_hist(accepted, proposer.tree.depth + 1)
-    if getattr(batch, "logprobs", None):  # the logits that decided each emitted token: its path's nodes
-        at = verdict.path[:, : new.shape[1]]
-        lp = engine._logprobs(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), new,
-                              batch.logprobs_k())
-        return engine._emit(batch, rows, new, accepted + 1, lp)
-    return engine._emit(batch, rows, new, accepted + 1)
 
 
 def stand_in_tree(nodes: int, depth: int, name: str) -> Tree:
@@ -371,9 +224,6 @@ class MedusaDynamicProposer:
         self.nodes, self.depth, self.topk = nodes, depth, topk
         self.tree = stand_in_tree(nodes, depth, f"dynamic-{nodes}x{depth}")
         self._proj: torch.nn.Module | None = None
-
-    def step(self, engine: "Engine", batch: "Batch") -> "StepOutput":
-        return tree_step(engine, batch, self)
 
     def _log_probs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each head's top-k (log-prob [D, n, k], token id [D, n, k]) over its candidate vocabulary."""

@@ -19,7 +19,7 @@ from medusa.decoding.proposers import Proposer
 from medusa.decoding.sampling import GREEDY, RowSampling, SamplingParams, argmax, sample_from
 from medusa.decoding.transformer import Transformer
 from medusa.decoding.tree import ROOT_ONLY
-from medusa.decoding.verifier import GreedyVerifier, SamplingVerifier
+from medusa.decoding.verifier import Candidates, GreedyVerifier, SamplingVerifier, Verdict
 
 
 @dataclass
@@ -79,6 +79,8 @@ class StepOutput:
     # Only when a row asked for them (`Engine.add(..., logprobs=...)`); rows that did not ask get the
     # same values, which the caller ignores.
     logprobs: TokenLogprobs | None = None
+    # [n] candidates the verifier accepted per row, before any EOS / max-token cut (0 after a prefill).
+    accepted: torch.Tensor | None = None
 
 
 class StepPolicy(Protocol):
@@ -175,7 +177,8 @@ class Engine:
         `logprobs[i]`: None, or k (0..MAX_TOP_LOGPROBS) to get row i's log-probabilities in every
         StepOutput (the emitted token's and the k most likely)."""
         if not prompts:
-            return StepOutput([], torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), [])
+            none = torch.zeros(0, dtype=torch.long)
+            return StepOutput([], torch.zeros(0, 1, dtype=torch.long), none, [], accepted=none)
         if len(prompts) > batch.free:
             raise MedusaError(f"batch has room for {batch.free} more rows, {len(prompts)} requested")
         limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -228,33 +231,52 @@ class Engine:
         lp = None
         if batch.logprobs and any(i in batch.logprobs for i in ids):
             lp = self._logprobs(logits[:, None], new, batch.logprobs_k())
-        return self._emit(batch, rows, new, torch.ones(k, dtype=torch.long, device=dev), lp)
+        return self._emit(batch, rows, new, torch.ones(k, dtype=torch.long, device=dev), lp)  # accepted: 0
 
     @torch.inference_mode()
     def step(self, batch: Batch, proposer: Proposer | None = None) -> StepOutput:
-        """One verification pass over all active rows."""
-        if proposer is not None and getattr(proposer, "owns_step", False):
-            return proposer.step(self, batch)  # per-row dynamic trees: medusa.decoding.dynamic_tree.tree_step
+        """One verification pass over all active rows: the pending roots, the proposer's candidates (one
+        tree for every row, or a tree per row from a proposer with `owns_step`), verification, commit."""
         n = batch.n
         rows = slice(0, n)
         # Read before any of this step's work is queued: on a GPU the host then waits for nothing.
         sampled = batch.sampling.any_sampling(rows)
-        tree = proposer.tree if proposer is not None else ROOT_ONLY
-        buf = tree.buffers(self.model.device)
-        tokens, proposal = batch.root[rows, None], None
-        if tree.size > 1:
-            candidates = proposer.propose(batch)
-            if isinstance(candidates, tuple):  # (tokens, the distributions they were drawn from)
-                candidates, proposal = candidates
-            tokens = torch.cat([tokens, candidates], dim=1)
-        positions = batch.cache.lens[rows, None] + buf.depth
-        hidden = self.model(tokens, positions, batch.cache, rows, buf.mask)
+        tokens = batch.root[rows, None]
+        per_row = proposer is not None and getattr(proposer, "owns_step", False)
+        if per_row:  # medusa.decoding.dynamic_tree: a tree per row, grown from the proposer's confidence
+            trees = proposer.draft(batch)
+            tokens = torch.cat([tokens, trees.tokens.to(tokens.device)], dim=1)
+            cand, depth, mask = trees.candidates(tokens), trees.depth, trees.mask
+        else:
+            tree = proposer.tree if proposer is not None else ROOT_ONLY
+            buf = tree.buffers(self.model.device)
+            probs = None
+            if tree.size > 1:
+                proposal = proposer.propose(batch)
+                tokens, probs = torch.cat([tokens, proposal.tokens], dim=1), proposal.probs
+            cand, depth, mask = Candidates.shared(tokens, buf, probs), buf.depth, buf.mask
+        hidden = self.model(tokens, batch.cache.lens[rows, None] + depth, batch.cache, rows, mask)
         logits = self.model.lm_head(hidden)
         if sampled:
-            p = batch.sampling.probs(logits, rows)
-            verdict = self.sampler.verify(p, tokens, buf, batch.sampling, rows, proposal)
+            verdict = self.sampler.verify(batch.sampling.probs(logits, rows), cand, batch.sampling, rows)
         else:
-            verdict = self.verifier.verify(logits, tokens, buf)
+            verdict = self.verifier.verify(logits, cand)
+        if per_row:
+            proposer.observe(batch, hidden, tokens, verdict)
+        new = self._commit(batch, rows, tokens, hidden, verdict)
+        lp = None
+        if batch.logprobs:  # the logits that decided each emitted token: those of the nodes on its path
+            at = verdict.path[:, : new.shape[1]]
+            lp = self._logprobs(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), new,
+                                batch.logprobs_k())
+        width = (proposer.tree.depth if proposer is not None else 0) + 1
+        return self._emit(batch, rows, new, verdict.accepted + 1, lp, verdict.accepted, width)
+
+    @staticmethod
+    def _commit(batch: Batch, rows: slice, tokens: torch.Tensor, hidden: torch.Tensor,
+                verdict: Verdict) -> torch.Tensor:
+        """Keep each row's accepted path (cache entries, committed tokens, the last node's hidden state),
+        set its next root; returns the new output tokens [n, D+1] (the first accepted + 1 valid)."""
         accepted = verdict.accepted
         committed = tokens.gather(1, verdict.path)  # root + accepted candidates (+ junk past accepted+1)
         lens = batch.cache.lens[rows, None]
@@ -264,20 +286,15 @@ class Engine:
         seq.scatter_(1, idx, torch.where(valid, committed, seq.gather(1, idx)))
         batch.cache.commit(rows, verdict.path, accepted + 1)
         last = verdict.path.gather(1, accepted[:, None])[:, 0]
-        batch.hidden[rows] = hidden[torch.arange(n, device=hidden.device), last]
+        batch.hidden[rows] = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
         batch.root[rows] = verdict.next_token
         # New output tokens: the accepted candidates followed by the target's own next token.
         new = torch.cat([committed[:, 1:], verdict.next_token[:, None]], dim=1)
         new.scatter_(1, accepted[:, None], verdict.next_token[:, None])
         batch.stats.forward_passes += 1
         batch.stats.steps += 1
-        batch.stats.row_steps += n
-        lp = None
-        if batch.logprobs:  # the logits that decided each emitted token: those of the nodes on its path
-            at = verdict.path[:, : new.shape[1]]
-            lp = self._logprobs(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), new,
-                                batch.logprobs_k())
-        return self._emit(batch, rows, new, accepted + 1, lp, accepted, tree.depth + 1)
+        batch.stats.row_steps += hidden.shape[0]
+        return new
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, new: torch.Tensor, k: int) -> TokenLogprobs:
@@ -294,8 +311,9 @@ class Engine:
               width: int = 0) -> StepOutput:
         """Append new tokens to each row's output, cut at EOS / max tokens, retire finished rows.
 
-        `accepted` (candidates accepted per row) goes into the acceptance histogram (`width` bins). The
-        counts, the finish flags and `accepted` reach the host in one read, one wait for the device."""
+        `accepted` (candidates accepted per row; None after a prefill) goes into the acceptance histogram
+        (`width` bins) and the output. The counts, the finish flags and `accepted` reach the host in one
+        read, one wait for the device."""
         j = torch.arange(new.shape[1], device=new.device)
         is_eos = torch.isin(new, self.eos) & (j < count[:, None])
         hit = is_eos.any(1)
@@ -320,7 +338,9 @@ class Engine:
             finished = batch.remove([ids[r] for r in done])
             for f in finished:
                 f.reason = reason[f.id]
-        return StepOutput(ids, new, count, finished, logprobs)
+        if accepted is None:
+            accepted = torch.zeros_like(count)
+        return StepOutput(ids, new, count, finished, logprobs, accepted)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, proposer: Proposer | None = None,
                  sampling: SamplingParams | list[SamplingParams] | None = None,

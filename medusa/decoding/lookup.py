@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from medusa.errors import MedusaError
+from medusa.decoding.proposers import Proposal
+from medusa.decoding.ragged import context
 from medusa.decoding.tree import chain
 
 if TYPE_CHECKING:
@@ -32,13 +34,9 @@ class LookupProposer:
         self.tree = chain(k)
 
     @torch.inference_mode()
-    def propose(self, batch: "Batch") -> torch.Tensor:
-        n = batch.n
-        lens = batch.cache.lens[:n]
-        width = int(lens.max()) + 1
-        ctx = batch.seq[:n, :width].clone()
-        ctx.scatter_(1, lens[:, None], batch.root[:n, None])
-        return propose_from(ctx, lens + 1, self.k, self.max_ngram, self.min_ngram)
+    def propose(self, batch: "Batch") -> Proposal:
+        ctx = context(batch)
+        return Proposal(propose_from(ctx, batch.cache.lens[: batch.n] + 1, self.k, self.max_ngram, self.min_ngram))
 
 
 def propose_from(ctx: torch.Tensor, ctx_len: torch.Tensor, k: int, max_ngram: int, min_ngram: int) -> torch.Tensor:

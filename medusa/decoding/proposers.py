@@ -6,6 +6,7 @@ row. The engine does the rest (one target pass, verification, cache commit), wha
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -18,12 +19,28 @@ if TYPE_CHECKING:
     from medusa.decoding.engine import Batch
 
 
+@dataclass
+class Proposal:
+    """One step's candidates for the batch's n active rows, in tree node order.
+
+    tokens: [n, tree.size - 1] long
+    probs:  [n, tree.size - 1, V] float or None: the distribution each token was drawn from, when the
+            proposer sampled its drafts (None: deterministic picks, point masses to the verifier)
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> "Proposal":
+        return Proposal(self.tokens.to(device), None if self.probs is None else self.probs.to(device))
+
+
 class Proposer(Protocol):
     name: str
     tree: Tree
 
-    def propose(self, batch: "Batch") -> torch.Tensor:
-        """Candidate tokens [n, tree.size - 1] for the batch's active rows, in tree node order."""
+    def propose(self, batch: "Batch") -> Proposal:
+        """Candidates for the batch's active rows."""
         ...
 
 
@@ -43,8 +60,8 @@ class MedusaProposer:
                               f"heads can propose only {vocab}")
 
     @torch.inference_mode()
-    def propose(self, batch: "Batch") -> torch.Tensor:
+    def propose(self, batch: "Batch") -> Proposal:
         hidden = batch.hidden[: batch.n]
         top = self.heads.top_tokens(hidden, self.tree.topk, self.tree.depth, self.projection)  # [D, n, k]
         flat = top.permute(1, 0, 2).reshape(hidden.shape[0], -1)
-        return flat[:, self.tree.buffers(hidden.device).cand_index]
+        return Proposal(flat[:, self.tree.buffers(hidden.device).cand_index])

@@ -7,6 +7,7 @@ target itself chose last step; node n (n >= 1) is paths[n-1]. Everything is buil
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,18 +147,36 @@ def tree_dirs(heads_dir: str | Path | None = None) -> list[Path]:
     return own + [CONFIG_DIR, HAND_MADE_DIR]
 
 
-def load_tree(spec: str | Path | list, heads_dir: str | Path | None = None) -> Tree:
-    """A tree from a list of paths, a YAML/JSON file, or a name such as `tree-16`, looked up first in
-    `heads_dir/trees/` (the trees built for those heads), then among the shipped trees."""
+MAX_CHAIN = 16
+
+
+def load_tree(spec: "str | Path | list | Tree", heads_dir: str | Path | None = None) -> Tree:
+    """The one place a tree spec is read (`--tree`, the server's `policy.trees`, the evaluator's methods):
+
+    - a Tree (returned as it is) or a list of top-k index paths;
+    - `chain-K`: the heads' top-1 tokens only, K deep (1..16): what pays when the heads are weak or a
+      tree costs too much;
+    - a YAML/JSON file holding a list of paths (key `paths`, or the list itself);
+    - a name such as `tree-16`, looked up first in `heads_dir/trees/` (the trees built for those heads),
+      then among the shipped trees.
+    """
+    if isinstance(spec, Tree):
+        return spec
     if isinstance(spec, list):
         return Tree(spec)
+    m = re.fullmatch(r"chain-(\d+)", str(spec))
+    if m:
+        if not 1 <= int(m.group(1)) <= MAX_CHAIN:
+            raise MedusaError(f"--tree: {spec}: chain depth must be 1..{MAX_CHAIN}")
+        return chain(int(m.group(1)))
     path = Path(spec)
     if not path.exists():
         dirs = tree_dirs(heads_dir)
         named = next((d / f"{spec}.yaml" for d in dirs if (d / f"{spec}.yaml").exists()), None)
         if named is None:
             names = sorted({p.stem for d in dirs for p in d.glob("*.yaml")})
-            raise MedusaError(f"--tree: {spec!r} is neither a file nor a known tree ({', '.join(names)})")
+            raise MedusaError(f"--tree: {spec!r} is neither a file nor a known tree ({', '.join(names)}, "
+                              f"chain-K)")
         path = named
     try:
         data = yaml.safe_load(path.read_text())

@@ -1,7 +1,8 @@
 """Verification: given the target's logits over a candidate tree, keep the longest agreeing path.
 
-One verifier serves every proposer: a chain (draft model) is a tree with one path and plain decoding is
-the tree with only the root, so greedy acceptance needs no special cases.
+One verifier serves every proposer: a chain (draft model) is a tree with one path, plain decoding is the
+tree with only the root, and a static tree is a per-row tree that every row happens to share
+(`Candidates.shared`), so dynamic trees (`medusa.decoding.dynamic_tree`) are verified by the same code.
 """
 
 from __future__ import annotations
@@ -15,10 +16,59 @@ from medusa.decoding.tree import TreeBuffers
 
 
 @dataclass
+class Candidates:
+    """One pass's candidate trees, one per row: n rows, T nodes (root = node 0), P paths, depth bound D.
+
+    tokens:    [n, T] long, the root then each candidate, in node order
+    paths:     [n, P, D+1] long, root-to-leaf node indices, padded by repeating the leaf
+    path_len:  [n, P] long, non-root nodes on each path (0: a path that can accept nothing)
+    children:  [n, T, C] long, each node's children in rank order, padded with -1
+    parent:    [n, T] long, each node's parent (the root: 0)
+    proposal:  [n, T-1, V] float or None: the distribution each candidate was drawn from (None: point
+               masses, i.e. deterministic top-k picks)
+    """
+
+    tokens: torch.Tensor
+    paths: torch.Tensor
+    path_len: torch.Tensor
+    children: torch.Tensor
+    parent: torch.Tensor
+    proposal: torch.Tensor | None = None
+
+    @classmethod
+    def shared(cls, tokens: torch.Tensor, tree: TreeBuffers, proposal: torch.Tensor | None = None) -> "Candidates":
+        """Every row on the same static tree (expanded views: no copies)."""
+        n = tokens.shape[0]
+        return cls(tokens, tree.paths.expand(n, -1, -1), tree.path_len.expand(n, -1),
+                   tree.children.expand(n, -1, -1), tree.parent.expand(n, -1), proposal)
+
+    @property
+    def depth(self) -> int:
+        return self.paths.shape[2] - 1
+
+    def along_paths(self, values: torch.Tensor, start: int) -> torch.Tensor:
+        """values [n, T] read along every path from node index `start` on: [n, P, D+1-start]."""
+        n, p, d1 = self.paths.shape
+        return values.gather(1, self.paths[:, :, start:].reshape(n, -1)).view(n, p, d1 - start)
+
+    def longest(self, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ok [n, P, D]: node k+1 of each path passes. The longest passing prefix per row: (accepted [n],
+        its path [n, D+1]); paths past their length never pass."""
+        ok = ok & (torch.arange(self.depth, device=ok.device) < self.path_len[:, :, None])
+        accepted, best = ok.long().cumprod(-1).sum(-1).max(-1)
+        return accepted, self.paths[torch.arange(ok.shape[0], device=ok.device), best]
+
+
+@dataclass
 class Verdict:
-    accepted: torch.Tensor  # [B] candidates accepted (root excluded)
-    path: torch.Tensor      # [B, D+1] node indices of the chosen root-to-leaf path
-    next_token: torch.Tensor  # [B] the target's own token after the last accepted node
+    accepted: torch.Tensor  # [n] candidates accepted (root excluded)
+    path: torch.Tensor      # [n, D+1] node indices of the chosen root-to-leaf path
+    next_token: torch.Tensor  # [n] the target's own token after the last accepted node
+
+
+def _last(path: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """The last accepted node of each row's path."""
+    return path.gather(1, accepted[:, None])[:, 0]
 
 
 class GreedyVerifier:
@@ -26,19 +76,10 @@ class GreedyVerifier:
 
     name = "greedy"
 
-    def verify(self, logits: torch.Tensor, tokens: torch.Tensor, tree: TreeBuffers) -> Verdict:
-        pred = argmax(logits)  # [B, T]: the target's choice after each node
-        paths = tree.paths  # [P, D+1]
-        child = tokens[:, paths[:, 1:]]  # [B, P, D]
-        parent_pred = pred[:, paths[:, :-1]]  # [B, P, D]
-        depth = torch.arange(paths.shape[1] - 1, device=paths.device)
-        ok = (child == parent_pred) & (depth < tree.path_len[:, None])
-        run = ok.long().cumprod(-1).sum(-1)  # [B, P] accepted length along each path
-        accepted, best = run.max(-1)
-        path = paths[best]  # [B, D+1]
-        last = path.gather(1, accepted[:, None])[:, 0]
-        next_token = pred.gather(1, last[:, None])[:, 0]
-        return Verdict(accepted, path, next_token)
+    def verify(self, logits: torch.Tensor, cand: Candidates) -> Verdict:
+        pred = argmax(logits)  # [n, T]: the target's choice after each node
+        accepted, path = cand.longest(cand.along_paths(cand.tokens, 1) == cand.along_paths(pred, 0)[..., :-1])
+        return Verdict(accepted, path, pred.gather(1, _last(path, accepted)[:, None])[:, 0])
 
 
 class SamplingVerifier:
@@ -58,45 +99,44 @@ class SamplingVerifier:
 
     name = "sampling"
 
-    def verify(self, p: torch.Tensor, tokens: torch.Tensor, tree: TreeBuffers, sampling, rows: slice,
-               proposal: torch.Tensor | None = None) -> Verdict:
-        """p [n, T, V]: target sampling distribution at every node; proposal [n, T-1, V] or None (point
-        masses: deterministic candidates)."""
+    def verify(self, p: torch.Tensor, cand: Candidates, sampling, rows: slice) -> Verdict:
+        """p [n, T, V]: the target's sampling distribution at every node; `sampling` the batch's
+        `RowSampling` (modes, thresholds, uniforms) read at `rows`."""
         typical = sampling.mode[rows] == MODE_TYPICAL
-        rejection = self._rejection(p, tokens, tree, sampling, rows, proposal)
+        rejection = self._rejection(p, cand, sampling, rows)
         if not bool(typical.any()):
             return rejection
-        t = self._typical(p, tokens, tree, sampling, rows)
-        pick = typical[:, None]
+        t = self._typical(p, cand, sampling, rows)
         return Verdict(torch.where(typical, t.accepted, rejection.accepted),
-                       torch.where(pick, t.path, rejection.path),
+                       torch.where(typical[:, None], t.path, rejection.path),
                        torch.where(typical, t.next_token, rejection.next_token))
 
-    def _rejection(self, p, tokens, tree, sampling, rows_slice, proposal) -> Verdict:
-        n, t, _ = p.shape
-        rows = torch.arange(n, device=p.device)
-        depth_max = tree.paths.shape[1] - 1
-        width = tree.children.shape[1]
+    @staticmethod
+    def _rejection(p, cand: Candidates, sampling, rows_slice) -> Verdict:
+        n = p.shape[0]
+        dev = p.device
+        rows = torch.arange(n, device=dev)
+        depth_max, width = cand.depth, cand.children.shape[2]
+        tokens, proposal = cand.tokens, cand.proposal
         u = sampling.uniform(rows_slice, depth_max * width + 1)
-        cur = torch.zeros(n, dtype=torch.long, device=p.device)
-        path = torch.zeros(n, depth_max + 1, dtype=torch.long, device=p.device)
-        accepted = torch.zeros(n, dtype=torch.long, device=p.device)
-        searching = torch.ones(n, dtype=torch.bool, device=p.device)  # still walking down
+        cur = torch.zeros(n, dtype=torch.long, device=dev)
+        path = torch.zeros(n, depth_max + 1, dtype=torch.long, device=dev)
+        accepted = torch.zeros(n, dtype=torch.long, device=dev)
+        searching = torch.ones(n, dtype=torch.bool, device=dev)  # still walking down
         residual = p[rows, cur].clone()
         for level in range(depth_max):
-            moved = torch.zeros(n, dtype=torch.bool, device=p.device)
+            moved = torch.zeros(n, dtype=torch.bool, device=dev)
             nxt = cur.clone()
             for i in range(width):
-                child = tree.children[cur, i]
+                child = cand.children[rows, cur, i]
                 trying = searching & ~moved & (child >= 0)
                 if not bool(trying.any()):
                     break
                 c = child.clamp(min=0)
                 tok = tokens[rows, c]
-                r = residual / residual.sum(-1, keepdim=True)
+                r = residual / residual.sum(-1, keepdim=True).clamp(min=1e-30)
                 if proposal is None:
-                    q_tok = torch.ones(n, device=p.device)
-                    q = None
+                    q, q_tok = None, torch.ones(n, device=dev)
                 else:
                     q = proposal[rows, (c - 1).clamp(min=0)]
                     q_tok = q[rows, tok]
@@ -121,23 +161,17 @@ class SamplingVerifier:
         # A residual with no mass left can only come from rounding: fall back to the target distribution.
         empty = residual.sum(-1) <= 0
         residual = torch.where(empty[:, None], p[rows, cur], residual)
-        next_token = sample_from(residual, u[:, -1])
-        return Verdict(accepted, path, next_token)
+        return Verdict(accepted, path, sample_from(residual, u[:, -1]))
 
-    def _typical(self, p, tokens, tree, sampling, rows) -> Verdict:
+    @staticmethod
+    def _typical(p, cand: Candidates, sampling, rows) -> Verdict:
         n = p.shape[0]
         entropy = -(p * torch.log(p.clamp(min=1e-20))).sum(-1)  # [n, T]
         threshold = torch.minimum(sampling.epsilon[rows, None], sampling.delta[rows, None] * torch.exp(-entropy))
         # Each node's token under its parent's distribution, and whether it clears the parent's bar.
-        node_prob = p[:, tree.parent].gather(-1, tokens[..., None])[..., 0]  # [n, T]
-        node_ok = node_prob > threshold[:, tree.parent]
-        paths = tree.paths
-        depth = torch.arange(paths.shape[1] - 1, device=p.device)
-        ok = node_ok[:, paths[:, 1:]] & (depth < tree.path_len[:, None])
-        run = ok.long().cumprod(-1).sum(-1)
-        accepted, best = run.max(-1)
-        path = paths[best]
-        last = path.gather(1, accepted[:, None])[:, 0]
+        parent_p = p.gather(1, cand.parent[:, :, None].expand_as(p))
+        node_prob = parent_p.gather(-1, cand.tokens[..., None])[..., 0]  # [n, T]
+        node_ok = node_prob > threshold.gather(1, cand.parent)
+        accepted, path = cand.longest(cand.along_paths(node_ok, 1))
         u = sampling.uniform(rows, 1)[:, 0]
-        next_token = sample_from(p[torch.arange(n, device=p.device), last], u)
-        return Verdict(accepted, path, next_token)
+        return Verdict(accepted, path, sample_from(p[torch.arange(n, device=p.device), _last(path, accepted)], u))

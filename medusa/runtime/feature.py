@@ -17,10 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from medusa.runtime.auto import read_accuracy
+from medusa.decoding.dynamic_tree import stand_in_tree
+from medusa.decoding.feature_heads import SHIPPED_FEATURE_DIR, FeatureHead, read_kind
+from medusa.decoding.feature_proposer import (FeatureProposer, TreeShape, expected_tau_dynamic, parse_shape,
+                                              shape_candidates)
+from medusa.decoding.feature_runner import HeadRunner, draft_pass_ms
 from medusa.errors import MedusaError
-from medusa.decoding.feature_heads import (SHIPPED_FEATURE_DIR, FeatureHead, FeatureProposer, HeadRunner, TreeShape,
-                            draft_pass_ms, parse_shape, plan_shape, read_kind)
+from medusa.runtime.auto import MARGIN, Plan, read_accuracy
 
 if TYPE_CHECKING:
     from medusa.runtime.auto import AutoSpeculation
@@ -90,9 +93,6 @@ class _FeatureAuto:
 
     @functools.lru_cache(maxsize=None)  # noqa: B019 (one planner per runtime; plans are pure per batch size)
     def plan(self, rows: int):
-        from medusa.runtime.auto import Plan
-        from medusa.decoding.dynamic_tree import stand_in_tree
-
         if self.accuracy is None:
             shape = DEFAULT_SHAPE
             tree = stand_in_tree(shape.nodes, shape.depth, f"dynamic-{shape.nodes}x{shape.depth}")
@@ -119,6 +119,30 @@ def feature_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "Auto
     # Engine.generate attaches the head's per-row state before the prefill, so prompts need no second pass.
     auto.attach = lambda batch: planner.make(None).attach(batch)
     return auto
+
+
+def plan_shape(cal, accuracy: list[list[float]], batch: int, draft_ms, shapes: list[TreeShape] | None = None):
+    """The dynamic tree with the best predicted speedup at `batch` rows, or None (plain decoding):
+    speedup = tau(shape) / (ratio(B, N + 1) + (catch-up + (D - 1) expansions) / one-token pass ms).
+
+    `draft_ms(rows, tokens)` is one head pass's cost; `cal` the calibrated target pass-cost curve."""
+    one = cal.ms(batch, 1)
+    best = None
+    for shape in shapes or shape_candidates():
+        tau = expected_tau_dynamic(shape, accuracy)
+        drafting = draft_ms(batch, 2) + (shape.depth - 1) * draft_ms(batch, shape.topk)
+        cost = cal.ratio(batch, shape.nodes + 1) + drafting / one
+        speedup = tau / cost
+        if best is None or speedup > best[0]:
+            best = (speedup, shape, tau, cost)
+    speedup, shape, tau, cost = best
+    tree = stand_in_tree(shape.nodes, shape.depth, f"dynamic-{shape.nodes}x{shape.depth}")
+    reason = f"tau {tau:.2f} expected, drafting and a {shape.nodes + 1}-token pass cost {cost:.2f} plain steps"
+    if speedup < MARGIN:
+        return Plan(batch, None, 1.0, 1.0, f"best dynamic tree {tree.name} predicts {speedup:.2f}x (< {MARGIN}x): "
+                                           f"{reason}"), None
+    return Plan(batch, tree, speedup, tau, reason), shape
+
 
 
 def method_proposer(rt: "Runtime", heads: str | None, tree: str | None) -> FeatureProposer:

@@ -18,7 +18,8 @@ from medusa.decoding.heads import SHIPPED_DIR, MedusaHeads
 from medusa.decoding.model import DEFAULT_MODEL, default_device, load_target
 from medusa.decoding.proposers import MedusaProposer, Proposer
 from medusa.decoding.transformer import Transformer
-from medusa.decoding.tree import DEFAULT_TREE, Tree, load_tree
+from medusa.decoding.tree import Tree, load_tree
+from medusa.runtime.proposers import build_proposer
 
 if TYPE_CHECKING:
     from medusa.runtime.auto import AutoSpeculation
@@ -84,25 +85,11 @@ class Runtime:
         return AutoSpeculation(plans, lambda tree: MedusaProposer(self.heads, tree, projection=self.model.lm_head),
                                max(t.size for t in trees), predicted=accuracy is not None)
 
-    def proposer(self, mode: str, tree: str | Tree | None = None) -> Proposer | None:
-        if mode == "plain":
-            return None
-        if mode == "medusa" and self.feature is not None:
-            from medusa.runtime.feature import feature_proposer
-
-            return feature_proposer(self, None if isinstance(tree, Tree) else tree)
-        if mode == "medusa" and self.heads is not None and isinstance(tree, str) and tree.startswith("dynamic-"):
-            from medusa.runtime.feature import medusa_dynamic
-
-            return medusa_dynamic(self, tree)  # a per-row dynamic tree from the heads' own log-probabilities
-        if mode == "medusa":
-            # Names resolve against the heads' own trees first, so trained heads get the trees built for them.
-            heads_dir = self.heads.directory if self.heads is not None else None
-            shape = tree if isinstance(tree, Tree) else load_tree(tree or DEFAULT_TREE, heads_dir=heads_dir)
-            if self.heads is None:
-                raise MedusaError("--mode medusa needs heads: pass --heads PATH (no shipped heads fit this model)")
-            return MedusaProposer(self.heads, shape, projection=self.model.lm_head)
-        raise MedusaError(f"--mode: unknown mode {mode!r} (choose plain or medusa)")
+    def proposer(self, mode: str, tree: str | list | Tree | None = None) -> Proposer | None:
+        """`--mode plain` or `--mode medusa` (with `--tree`): see `medusa.runtime.proposers.build_proposer`."""
+        if mode not in ("plain", "medusa"):
+            raise MedusaError(f"--mode: unknown mode {mode!r} (choose plain or medusa)")
+        return build_proposer(self, mode, tree)
 
     def encode(self, prompts: list[str], raw: bool = False) -> list[list[int]]:
         """Token ids per prompt: chat messages through the chat template, or raw text."""

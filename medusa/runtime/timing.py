@@ -78,16 +78,18 @@ class Latency:
 
 @torch.inference_mode()
 def measure_forward(model, batch_sizes: list[int], tokens: list[int], prefix: int = 256,
-                    repeats: int = 5, progress=None, stop_ratio: float | None = None) -> list[tuple[int, int, float]]:
-    """Fastest ms of one forward pass (plus the lm_head on every token: verification needs all logits)
-    for each (B, T), rows holding `prefix` cached tokens.
+                    repeats: int = 5, progress=None, stop_ratio: float | None = None,
+                    head: torch.nn.Module | None = None) -> list[tuple[int, int, float]]:
+    """Fastest ms of one forward pass (plus `head`, by default the model's lm_head, on every token:
+    verification needs all logits) for each (B, T), rows holding `prefix` cached tokens. A draft that
+    scores a reduced vocabulary passes its own head (`DraftModel.head`).
 
     Per batch size the T sweep runs `repeats` times over and each point keeps its fastest time, so a
     burst of other work on the machine inflates one round of one point, not a whole stretch of the curve.
     With `stop_ratio`, the sweep (T in increasing order) ends after the first point that costs more than
     that many one-token passes: no speculation can recover a step that dear."""
     out = []
-    head = getattr(model, "draft_head", None) or model.lm_head  # a draft may score a reduced vocabulary
+    head = head if head is not None else model.lm_head
     tokens = sorted(set(tokens))
     for b in batch_sizes:
         cache = model.new_cache(b, prefix + max(tokens))

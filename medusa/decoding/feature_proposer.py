@@ -1,0 +1,294 @@
+"""The feature-head proposer: each engine step the head catches up on the row's newly committed positions
+(their true features come from the verification pass that accepted them), then grows a dynamic tree
+(`medusa.decoding.dynamic_tree`) of `nodes` candidates, `depth` draft steps deep, expanding the `topk` best
+frontier nodes each step. Also the tree budgets (`TreeShape`) and their expected acceptance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from medusa.decoding.dynamic_tree import NEG, Pool, RowTrees, expand, select_nodes, stand_in_tree
+from medusa.decoding.feature_heads import FeatureHead
+from medusa.decoding.feature_runner import FeatureState, HeadRunner, LayerTaps
+from medusa.decoding.ragged import aux_state, catch_up, causal, common_prefix, context
+from medusa.decoding.sampling import MODE_REJECTION, sample_from
+from medusa.decoding.transformer import Transformer
+from medusa.decoding.tree import build_tree, expected_tau
+from medusa.decoding.verifier import Verdict
+from medusa.errors import MedusaError
+
+if TYPE_CHECKING:
+    from medusa.decoding.engine import Batch
+
+AUX_KEY = "feature"
+
+
+@dataclass
+class TreeShape:
+    """A dynamic tree's budget: `nodes` candidates, `depth` draft steps, `topk` children per expansion."""
+
+    nodes: int = 16
+    depth: int = 5
+    topk: int = 4
+
+    def check(self) -> "TreeShape":
+        if self.nodes < 1 or self.depth < 1 or self.topk < 1:
+            raise MedusaError(f"dynamic tree needs nodes, depth and topk >= 1, got {self}")
+        if self.topk + (self.depth - 1) * self.topk ** 2 < self.nodes:
+            raise MedusaError(f"a dynamic tree of depth {self.depth} and top-{self.topk} generates fewer than "
+                              f"{self.nodes} nodes")
+        if self.nodes < self.depth:
+            raise MedusaError(f"{self.nodes} nodes cannot make a tree {self.depth} deep")
+        return self
+
+
+class FeatureProposer:
+    """Drafts a dynamic tree per row with a feature head (`owns_step`: the engine asks for `RowTrees`)."""
+
+    name = "feature"
+    owns_step = True
+
+    def __init__(self, head: FeatureHead, target: Transformer, shape: TreeShape | None = None,
+                 sample_chain: bool = True, vocab: int | None = None, runner: HeadRunner | None = None):
+        self.head = head
+        self.target = target
+        self.shape = (shape or TreeShape()).check()
+        # Several proposers (tree shapes) of one head share its packed inference copy.
+        self.runner = runner or HeadRunner(head, target.dtype, vocab).to(target.device)
+        if self.shape.topk > self.runner.vocab:
+            raise MedusaError(f"top-{self.shape.topk} expansions need more than the head's "
+                              f"{self.runner.vocab} draft tokens")
+        self.tree = stand_in_tree(self.shape.nodes, self.shape.depth,
+                                  f"dynamic-{self.shape.nodes}x{self.shape.depth}")
+        # Rows sampled with rejection acceptance draft a chain sampled from the head's distribution and
+        # hand it to the verifier (min(1, p/q) accepts more than a point mass when q is close to p).
+        self.sample_chain = sample_chain
+        self.taps = LayerTaps.install(target, head.config.feature_layers) if head.config.feature_layers else None
+
+    # ---- engine protocol ------------------------------------------------------------------------
+    def attach(self, batch: "Batch") -> "FeatureState":
+        """Create the per-row state before rows are added, so prompt features are kept at prefill."""
+        # Draft entries of any shape up to depth 8 and top-8 fit, so one state serves every planned shape.
+        need = batch.cache.capacity + max(66, (self.shape.depth - 1) * self.shape.topk + self.shape.depth + 2)
+        return aux_state(batch, AUX_KEY, lambda s: isinstance(s, FeatureState) and s.runner is self.runner
+                         and s.cache.rows >= batch.cache.rows and s.cache.capacity >= need,
+                         lambda: FeatureState(self.runner, batch.cache.rows, need, self.head.config.feature_dim,
+                                              self.taps))
+
+    @torch.inference_mode()
+    def draft(self, batch: "Batch") -> RowTrees:
+        n = batch.n
+        rows = slice(0, n)
+        state = self.attach(batch)
+        lens = batch.cache.lens[rows]
+        ctx = context(batch)
+        width = ctx.shape[1]
+        same = common_prefix(state.seq[rows, :width], ctx, lens + 1)
+        state.seq[rows, :width] = ctx
+        state.feat_len[rows] = torch.minimum(torch.minimum(state.feat_len[rows], same), lens)
+        # Entry s reads x_{s+1}; at least the last committed entry is recomputed, so its output is at hand.
+        state.cache.lens[rows] = torch.minimum(torch.minimum(state.cache.lens[rows], same - 1), lens - 1).clamp(min=0)
+        if bool((state.feat_len[rows] < lens).any()):
+            self._fill_features(batch, state, ctx, lens)
+        last = self._catch_up(state, rows, ctx, lens)
+        sampled = batch.sampling.mode[rows] == MODE_REJECTION if self.sample_chain else None
+        if sampled is not None and not bool(sampled.any()):
+            sampled = None
+        return self._grow(batch, state, rows, lens, last, sampled)
+
+    def observe(self, batch: "Batch", hidden: torch.Tensor, tokens: torch.Tensor, verdict: Verdict) -> None:
+        """Keep the true features of the positions this step commits (the accepted path, root first)."""
+        state: FeatureState = batch.aux[AUX_KEY]
+        n = hidden.shape[0]
+        rows = torch.arange(n, device=hidden.device)[:, None]
+        lens = batch.cache.lens[:n]
+        j = torch.arange(verdict.path.shape[1], device=hidden.device)
+        keep = j[None, :] <= verdict.accepted[:, None]
+        pos = (lens[:, None] + j).clamp(max=state.feats.shape[1] - 1)
+        feats = state.features(hidden)[rows, verdict.path].to(state.feats.dtype)
+        state.feats[rows, pos] = torch.where(keep[:, :, None], feats, state.feats[rows, pos])
+        state.seq[rows, pos] = torch.where(keep, tokens.gather(1, verdict.path), state.seq[rows, pos])
+        state.feat_len[:n] = torch.where(state.feat_len[:n] >= lens, lens + verdict.accepted + 1, state.feat_len[:n])
+
+    # ---- pieces ---------------------------------------------------------------------------------
+    def _fill_features(self, batch: "Batch", state: FeatureState, ctx: torch.Tensor, lens: torch.Tensor) -> None:
+        """Target features of committed positions the state never saw (rows that decoded without this
+        proposer, or joined before it was attached): re-run the target over them. It rewrites the same
+        K/V entries from the same tokens; entries past each row's length are scratch."""
+        n = lens.shape[0]
+        rows = slice(0, n)
+        cache = batch.cache
+        saved = cache.lens[rows].clone()
+        dev = lens.device
+        try:
+            while True:
+                start = state.feat_len[rows]
+                todo = lens - start
+                most = int(todo.max())
+                if most <= 0:
+                    return
+                cache.lens[rows] = start
+                t = min(most, cache.capacity - int(start.max()))
+                j = torch.arange(t, device=dev)
+                idx = (start[:, None] + j).clamp(max=ctx.shape[1] - 1)
+                hidden = self.target(ctx.gather(1, idx), start[:, None] + j, cache, rows, causal(t, dev))
+                count = todo.clamp(min=0, max=t)
+                take = j[None, :] < count[:, None]
+                r = torch.arange(n, device=dev)[:, None]
+                pos = idx.clamp(max=state.feats.shape[1] - 1)
+                feats = state.features(hidden).to(state.feats.dtype)
+                state.feats[r, pos] = torch.where(take[:, :, None], feats, state.feats[r, pos])
+                state.feat_len[rows] = start + count
+        finally:
+            cache.lens[rows] = saved
+
+    def _catch_up(self, state: FeatureState, rows: slice, ctx: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """Head entries for committed positions [cache.lens, lens): input (f_s, x_{s+1}); returns the output
+        of entry lens-1 (the predicted feature of the root's position) [n, h]."""
+        n = lens.shape[0]
+        ar = torch.arange(n, device=lens.device)
+
+        def run(hl: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+            pos = hl[:, None] + j
+            nxt = ctx.gather(1, (pos + 1).clamp(max=ctx.shape[1] - 1))
+            feats = state.feats[ar[:, None], pos.clamp(max=state.feats.shape[1] - 1)]
+            emb, x = self.runner.inputs(nxt, feats, fused=True)
+            return self.runner(emb, x, pos, state.cache, rows, 0, causal(len(j), lens.device).expand(n, -1, -1))
+
+        last = torch.zeros(n, self.head.config.hidden_size, dtype=self.runner.dtype, device=lens.device)
+        return catch_up(state.cache, rows, lens, last, run)
+
+    def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.runner.logits(out).float(), dim=-1)
+
+    def _full_probs(self, batch: "Batch", rows: slice, logits: torch.Tensor) -> torch.Tensor:
+        """The row's sampling distribution over the full vocabulary from draft-vocabulary logits [n, Vd]."""
+        full = torch.full((logits.shape[0], 1, self.head.config.vocab_size), NEG, device=logits.device)
+        full[:, 0, self.runner.draft_ids] = logits.float()
+        return batch.sampling.probs(full, rows)[:, 0]
+
+    def _grow(self, batch: "Batch", state: FeatureState, rows: slice, lens: torch.Tensor, last: torch.Tensor,
+              sampled: torch.Tensor | None) -> RowTrees:
+        """EAGLE-2 expansion: D draft steps over the top-k frontier, then the N best nodes."""
+        k, depth, nodes = self.shape.topk, self.shape.depth, self.shape.nodes
+        n = lens.shape[0]
+        dev = lens.device
+        ids = self.runner.draft_ids
+        pool = Pool([], [], [], [])
+        logits = self.runner.logits(last)
+        logp = torch.log_softmax(logits.float(), -1)
+        top = logp.topk(k, -1)
+        tok, score = ids[top.indices], top.values
+        chain_q, chain_pool = [], []
+        if sampled is not None:
+            q = self._full_probs(batch, rows, logits)
+            pick = sample_from(q, batch.sampling.uniform(rows, 1)[:, 0])
+            tok, score = _chain_first(tok, score, pick, sampled)
+            chain_q.append(q)
+            chain_pool.append(torch.zeros(n, dtype=torch.long, device=dev))
+        start = pool.add(tok, score, torch.full_like(tok, -1), 1)
+        front_tok, front_score = tok, score
+        front_pool = start + torch.arange(k, device=dev).expand(n, k)
+        front_in = last[:, None, :].expand(n, k, last.shape[-1])
+        vis = torch.zeros(n, k, 0, dtype=torch.bool, device=dev)  # each frontier node's ancestors' entries
+        eye = torch.eye(k, dtype=torch.bool, device=dev).expand(n, k, k)
+        used = 0
+        for d in range(2, depth + 1):
+            emb, x = self.runner.inputs(front_tok, front_in, fused=False)
+            block_vis = torch.cat([vis, eye], dim=2)
+            pos = (lens + d - 2)[:, None].expand(n, k)
+            out = self.runner(emb, x, pos, state.cache, rows, used, block_vis)
+            logits = self.runner.logits(out)  # [n, k, Vd]
+            logp = torch.log_softmax(logits.float(), -1)
+            ct, cs, slot = expand(logp, front_score, k)
+            ct = ids[ct]
+            parent_pool = front_pool.gather(1, slot)
+            if sampled is not None:
+                q = self._full_probs(batch, rows, logits[:, 0])  # the chain node is frontier slot 0
+                pick = sample_from(q, batch.sampling.uniform(rows, 1)[:, 0])
+                ct, cs = _chain_first(ct, cs, pick, sampled)
+            start = pool.add(ct, cs, parent_pool, d)
+            if sampled is not None:
+                chain_q.append(q)
+                chain_pool.append(torch.full((n,), start, dtype=torch.long, device=dev))
+            best = cs.topk(k, -1).indices  # sorted: a sampled row's chain node stays in slot 0
+            bslot = slot.gather(1, best)
+            front_tok, front_score = ct.gather(1, best), cs.gather(1, best)
+            front_pool = start + best
+            front_in = out.gather(1, bslot[:, :, None].expand(n, k, out.shape[-1]))
+            vis = block_vis.gather(1, bslot[:, :, None].expand(n, k, block_vis.shape[2]))
+            used += k
+        proposal = None
+        trees = pool.trees(nodes, depth)
+        if sampled is not None:
+            proposal = self._proposal(trees, pool, nodes, chain_q, chain_pool, sampled)
+            trees.proposal = proposal
+        return trees
+
+    def _proposal(self, trees: RowTrees, pool: Pool, nodes: int, chain_q: list, chain_pool: list,
+                  sampled: torch.Tensor) -> torch.Tensor:
+        """q per node: the sampled chain's distributions on sampled rows, point masses elsewhere."""
+        score = torch.cat(pool.scores, 1)
+        par = torch.cat(pool.parents, 1)
+        dep = torch.cat([torch.full_like(t, d) for t, d in zip(pool.tokens, pool.depths)], 1)
+        chosen, _ = select_nodes(score, par, dep, nodes)
+        q = F.one_hot(trees.tokens, self.head.config.vocab_size).float()
+        cp = torch.stack(chain_pool, 1)  # [n, D]
+        match = (chosen[:, :, None] == cp[:, None, :]) & sampled[:, None, None]  # [n, N, D]
+        cq = torch.stack(chain_q, 1)  # [n, D, V]
+        on_chain = match.any(-1)
+        mixed = torch.einsum("bnd,bdv->bnv", match.float(), cq)
+        return torch.where(on_chain[:, :, None], mixed, q)
+
+
+def _chain_first(tok: torch.Tensor, score: torch.Tensor, pick: torch.Tensor, sampled: torch.Tensor):
+    """On sampled rows, entry 0 becomes the sampled token (score 0: always kept) and the rest are dropped
+    (-inf) when it descends from the chain; other rows are unchanged. Chain nodes have score 0 on every
+    depth, so they are the frontier's slot 0 and a sampled row's tree is exactly the chain."""
+    tok, score = tok.clone(), score.clone()
+    on = sampled & (score[:, 0] > NEG)
+    tok[:, 0] = torch.where(on, pick, tok[:, 0])
+    score[:, 0] = torch.where(on, 0.0, score[:, 0])
+    score[:, 1:] = torch.where(sampled[:, None], NEG, score[:, 1:])
+    return tok, score
+
+
+def shape_candidates(max_nodes: int = 64, max_depth: int = 8, topk: int = 4) -> list[TreeShape]:
+    sizes = [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64]
+    out = []
+    for depth in range(1, max_depth + 1):
+        for n in sizes:
+            if n <= max_nodes and n >= depth and topk + (depth - 1) * topk * topk >= n:
+                out.append(TreeShape(n, depth, min(topk, n)))
+    return out
+
+
+def expected_tau_dynamic(shape: TreeShape, accuracy: list[list[float]]) -> float:
+    """Expected tokens per step of a `shape` tree from per-draft-step rank accuracies (eval.json), taken
+    as the best static tree of that budget: a dynamic tree, chosen per row, does at least as well."""
+    acc = [row[: shape.topk] for row in accuracy[: shape.depth]]
+    if not acc:
+        return 1.0
+    return expected_tau(build_tree(acc, shape.nodes).nodes, acc)
+
+
+def parse_shape(name: str) -> TreeShape:
+    """`dynamic-N` (depth and top-k chosen for N) or `dynamic-NxD` or `dynamic-NxDxK`."""
+    try:
+        parts = [int(p) for p in name.removeprefix("dynamic-").split("x")]
+    except ValueError:
+        raise MedusaError(f"--tree: {name!r}: expected dynamic-N, dynamic-NxD or dynamic-NxDxK") from None
+    if len(parts) == 1:
+        n = parts[0]
+        depth = max(1, min(6, n // 2 if n > 2 else n))
+        return TreeShape(n, depth, 4 if n >= 4 else n).check()
+    if len(parts) == 2:
+        return TreeShape(parts[0], parts[1], 4 if parts[0] >= 4 else max(1, parts[0])).check()
+    if len(parts) == 3:
+        return TreeShape(*parts).check()
+    raise MedusaError(f"--tree: {name!r}: expected dynamic-N, dynamic-NxD or dynamic-NxDxK")

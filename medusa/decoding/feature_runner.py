@@ -1,0 +1,218 @@
+"""A feature head at inference (`medusa.decoding.feature_heads`): the head's packed copy in the target's dtype
+running over its own per-row KV cache, the taps that collect fused target features, and the per-row state
+kept beside a batch.
+
+The layer is the target's own architecture run through `medusa.decoding.transformer`'s fused, packed layer
+code and attention; the vocabulary projection reads only the draft vocabulary (`draft_ids`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from medusa.decoding.feature_heads import FeatureHead
+from medusa.errors import MedusaError
+from medusa.decoding.transformer import (FP32_ATTENTION_ROWS, SHORT_BLOCK, KVCache, RMSNorm, Transformer, _attention, _Layer,
+                          _packed, _rope_, _rope_tables, _short_block_bias)
+
+class _HeadLayer(_Layer):
+    """`medusa.decoding.transformer._Layer` (fused, packed projections, the shared attention) with the head's
+    inputs: eagle1 attends over x itself (no input norm); eagle3 over [norm(emb), norm(x)], residual x."""
+
+    def __init__(self, head: FeatureHead, head_dim: int):
+        super().__init__(head.layer, head_dim)
+        self.hnorm = RMSNorm(head.hidden_norm) if head.hidden_norm is not None else None
+
+    def forward(self, emb, x, rope, kv, row_idx, slots, mask, bias):  # noqa: D401 (same contract as _Layer)
+        b, t, _ = x.shape
+        d, nq, nkv = self.head_dim, self.nq, self.nkv
+        a_in = x if self.hnorm is None else torch.cat([self.ln1.forward(emb), self.hnorm.forward(x)], -1)
+        qkv = self.wqkv.forward(a_in).view(b, t, nq + 2 * nkv, d)
+        if self.q_norm is not None:
+            qkv[:, :, :nq] = self.q_norm.forward(qkv[:, :, :nq])
+            qkv[:, :, nq: nq + nkv] = self.k_norm.forward(qkv[:, :, nq: nq + nkv])
+        _rope_(qkv[:, :, : nq + nkv], *rope)
+        kv[:, row_idx, :, slots] = qkv[:, :, nq:].unflatten(2, (2, nkv)).to(kv.dtype)
+        o = _attention(qkv[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
+        x = self.wo.plus(o, x)
+        gate, up = self.w13.forward(self.ln2.forward(x)).chunk(2, dim=-1)
+        return self.w2.plus(F.silu(gate) * up, x)
+
+
+class HeadRunner(nn.Module):
+    """The head's inference copy in the target's dtype: packed weights, a pass over a ragged cache."""
+
+    def __init__(self, head: FeatureHead, dtype: torch.dtype, vocab: int | None = None):
+        super().__init__()
+        original, embed, borrowed = head, head.embed, head._target
+        original._target = []  # the target is borrowed: never copied
+        try:
+            head = copy.deepcopy(original).to(dtype)
+        finally:
+            original._target = borrowed
+        cfg = head.layer_config
+        self.config = head.config
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.layer = _HeadLayer(head, self.head_dim)
+        self.fc = _packed(head.fc.requires_grad_(False))
+        lm = head.lm_head.requires_grad_(False)
+        ids = head.draft_ids
+        if vocab is not None and vocab < len(ids):  # the first `vocab` draft ids (trained heads: most frequent)
+            lm = nn.Linear(lm.in_features, vocab, bias=False, dtype=dtype).requires_grad_(False)
+            lm.weight.data.copy_(head.lm_head.weight[:vocab])
+            ids = ids[:vocab]
+        self.lm_head = _packed(lm)
+        self.norm = RMSNorm(head.norm) if head.norm is not None else None
+        self.rotary = head.rotary
+        self._embed = [embed]
+        self.register_buffer("draft_ids", ids.clone(), persistent=False)
+        self.vocab = len(ids)
+        self.dtype = dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.draft_ids.device
+
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        kv_dtype = torch.float32 if self.device.type == "cpu" and rows <= FP32_ATTENTION_ROWS else self.dtype
+        return KVCache(1, rows, self.n_kv, capacity, self.head_dim, kv_dtype, self.device)
+
+    def inputs(self, tokens: torch.Tensor, feats: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embedding of tokens, the layer's residual input) for tokens [B, T], feats [B, T, F or h]."""
+        emb = self._embed[0](tokens).to(self.dtype)
+        if self.config.style == "eagle1":
+            return emb, self.fc.forward(torch.cat([emb, feats.to(self.dtype)], -1))
+        return emb, self.fc.forward(feats.to(self.dtype)) if fused else feats
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.forward(out if self.norm is None else self.norm.forward(out))
+
+    def forward(self, emb: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
+                used: int, visible: torch.Tensor) -> torch.Tensor:
+        """One pass of t entries per row written after `used` draft entries past each row's committed length
+        (cache.lens). visible [B, t, used + t]: which draft entries (and which of this block) each sees; every
+        committed entry is seen. Returns the layer output [B, t, h]."""
+        b, t = positions.shape
+        hl = cache.lens[rows]
+        span = used + t
+        window = int(hl.max()) + span
+        if window > cache.capacity:
+            raise MedusaError(f"feature head cache of {cache.capacity} entries is too small for {window}")
+        rel = torch.arange(window, device=x.device)[None, :] - hl[:, None]
+        part = torch.gather(visible, 2, rel.clamp(0, span - 1)[:, None, :].expand(b, t, window))
+        in_span = (rel >= 0) & (rel < span)
+        mask = ((rel < 0)[:, None, :] | (in_span[:, None, :] & part))[:, None]
+        bias = None
+        if t <= SHORT_BLOCK:
+            fp32 = cache.data.dtype == torch.float32 or (x.device.type == "cpu" and b * t <= FP32_ATTENTION_ROWS)
+            bias = _short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv,
+                                     torch.float32 if fp32 else self.dtype)
+        slots = hl[:, None] + used + torch.arange(t, device=x.device)
+        rope = _rope_tables(*self.rotary(x, positions))
+        kv = cache.data[0, :, rows, :, :window]
+        row_idx = torch.arange(b, device=x.device)[:, None]
+        return self.layer.forward(emb, x, rope, kv, row_idx, slots, mask, bias)
+
+
+class _Tap(nn.Module):
+    """A target layer that also keeps its last output (the residual stream after it)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.inner = layer
+        self.out: torch.Tensor | None = None
+
+    def forward(self, x, *args):
+        self.out = self.inner.forward(x, *args)
+        return self.out
+
+
+class LayerTaps:
+    """Fused features for eagle3 heads: HF `hidden_states[i]` of every pass, i.e. the output of target
+    layer i-1 (kept by a transparent wrapper around that layer), or the final normed hidden state for
+    i = number of layers. Installed once per target; the wrappers cost one reference per layer call."""
+
+    def __init__(self, target: Transformer, layers: list[int]):
+        self.layers = list(layers)
+        self.target = target
+
+    @classmethod
+    def install(cls, target: Transformer, layers: list[int]) -> "LayerTaps":
+        n = len(target.layers)
+        for i in layers:
+            if not 1 <= i <= n:
+                raise MedusaError(f"feature head fuses hidden_states[{i}]; this target has 1..{n} "
+                                  f"(0, the embeddings, is not supported)")
+            if i < n and not isinstance(target.layers[i - 1], _Tap):
+                target.layers[i - 1] = _Tap(target.layers[i - 1])
+        return cls(target, layers)
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        n = len(self.target.layers)
+        parts = [hidden if i == n else self.target.layers[i - 1].out for i in self.layers]
+        return torch.cat([p.to(hidden.dtype) for p in parts], dim=-1)
+
+
+class FeatureState:
+    """Per-row state beside a batch: the head's cache, the target features of committed positions and the
+    tokens both were computed from (`seq[r, s]` = x_s; the pending root included)."""
+
+    def __init__(self, runner: HeadRunner, rows: int, capacity: int, feature_dim: int, taps: "LayerTaps | None" = None):
+        self.runner = runner
+        self.taps = taps  # fused multi-layer features: read from taps on the target's layers
+        dev = runner.device
+        self.cache = runner.new_cache(rows, capacity)
+        self.seq = torch.full((rows, capacity), -1, dtype=torch.long, device=dev)
+        self.feats = torch.zeros(rows, capacity, feature_dim, dtype=runner.dtype, device=dev)
+        self.feat_len = torch.zeros(rows, dtype=torch.long, device=dev)
+
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        self.cache.move_rows(src, dst)
+        if src:
+            s, d = torch.tensor(src, device=self.seq.device), torch.tensor(dst, device=self.seq.device)
+            self.seq[d] = self.seq[s]
+            self.feats[d] = self.feats[s]
+            self.feat_len[d] = self.feat_len[s]
+
+    def prefilled(self, rows: slice, tokens: torch.Tensor, lengths: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The engine's prefill of new rows: keep their prompt features (so no second pass is needed)."""
+        t = tokens.shape[1]
+        self.seq[rows, :t] = tokens
+        self.feats[rows, :t] = self.features(hidden).to(self.feats.dtype)
+        self.feat_len[rows] = lengths
+        self.cache.lens[rows] = 0
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's input features of the target pass that just ran (its final hidden states `hidden`)."""
+        return hidden if self.taps is None else self.taps.features(hidden)
+
+
+def draft_pass_ms(runner: HeadRunner, rows: int, tokens: int, prefix: int = 256, repeats: int = 5) -> float:
+    """Fastest ms of one head pass over `tokens` entries per row for `rows` rows after a `prefix`-entry
+    cache, with its draft-vocabulary log-softmax and top-k: one draft step's cost."""
+    dev = runner.device
+    cache = runner.new_cache(rows, prefix + tokens + 1)
+    cache.lens[:rows] = prefix
+    h = runner.config.hidden_size
+    emb = torch.randn(rows, tokens, h, dtype=runner.dtype, device=dev)
+    x = torch.randn(rows, tokens, h, dtype=runner.dtype, device=dev)
+    pos = torch.full((rows, tokens), prefix, device=dev)
+    vis = torch.ones(rows, tokens, tokens, dtype=torch.bool, device=dev)
+    best = float("inf")
+    with torch.inference_mode():
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            out = runner(emb, x, pos, cache, slice(0, rows), 0, vis)
+            torch.log_softmax(runner.logits(out).float(), -1).topk(min(4, runner.vocab), -1)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                best = min(best, (time.perf_counter() - t0) * 1000)
+    return best
+

@@ -1,0 +1,106 @@
+"""Every proposer spec builds its proposer on a tiny random model; bad specs say what was wrong in one line."""
+
+import pytest
+import torch
+
+from conftest import mixed_prompts, tiny_model
+from medusa.decoding.draft import DraftModel, DraftProposer
+from medusa.decoding.dynamic_tree import MedusaDynamicProposer
+from medusa.decoding.engine import Engine
+from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
+from medusa.decoding.feature_proposer import FeatureProposer, TreeShape
+from medusa.decoding.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.lookup import LookupProposer
+from medusa.decoding.proposers import MedusaProposer
+from medusa.decoding.transformer import Transformer
+from medusa.errors import MedusaError
+from medusa.runtime import Runtime
+from medusa.runtime.proposers import build_proposer
+
+
+def tiny_runtime(heads: bool = True) -> Runtime:
+    model = tiny_model()
+    medusa = None
+    if heads:
+        torch.manual_seed(0)
+        medusa = MedusaHeads(HeadsConfig(model.config.hidden_size, model.config.vocab_size, 4, 1)).attach(model)
+    transformer = Transformer(model)
+    return Runtime(model, None, transformer, Engine(transformer, eos_token_ids=None), medusa)
+
+
+@pytest.fixture(scope="module")
+def rt():
+    return tiny_runtime()
+
+
+@pytest.fixture(scope="module")
+def feature_dir(rt, tmp_path_factory):
+    d = tmp_path_factory.mktemp("feature")
+    c = rt.hf_model.config
+    FeatureHead(FeatureHeadConfig(c.hidden_size, c.vocab_size, c.vocab_size), rt.hf_model).save(d)
+    return d
+
+
+def test_plain_is_no_proposer(rt):
+    assert build_proposer(rt, "plain") is None
+
+
+def test_medusa_static_chain_and_dynamic_trees(rt):
+    p = build_proposer(rt, "medusa")
+    assert isinstance(p, MedusaProposer) and p.tree.name == "tree-8"
+    assert build_proposer(rt, "medusa", "tree-16").tree.name == "tree-16"
+    chain = build_proposer(rt, "medusa", "chain-3")
+    assert chain.tree.nodes == [(0,), (0, 0), (0, 0, 0)]
+    assert build_proposer(rt, "medusa", [[0], [1]]).tree.size == 3
+    dyn = build_proposer(rt, "medusa", "dynamic-8x3")
+    assert isinstance(dyn, MedusaDynamicProposer) and dyn.depth == 3
+    assert isinstance(rt.proposer("medusa", "chain-2"), MedusaProposer)
+
+
+def test_feature_heads_from_a_directory(rt, feature_dir):
+    p = build_proposer(rt, f"feature:{feature_dir}", "dynamic-6x3")
+    assert isinstance(p, FeatureProposer) and p.shape == TreeShape(6, 3, 4)
+
+
+def test_draft_and_lookup(rt):
+    draft = build_proposer(rt, "draft:layers:1", k=3)
+    assert isinstance(draft, DraftProposer) and draft.tree.size == 4 and len(draft.draft.layers) == 1
+    assert isinstance(draft.model, DraftModel) and draft.model.vocab is None
+    lookup = build_proposer(rt, "lookup:5")
+    assert isinstance(lookup, LookupProposer) and lookup.k == 5
+    assert build_proposer(rt, "lookup").k == 8
+
+
+def test_built_proposers_decode_like_plain(rt, feature_dir):
+    prompts = mixed_prompts(3, seed=7)
+    plain = rt.engine.generate(prompts, 10)
+    for spec, tree in [("medusa", "chain-3"), ("medusa", "dynamic-6x2"), ("draft:layers:1", None), ("lookup:4", None),
+                       (f"feature:{feature_dir}", "dynamic-6x3")]:
+        gen = rt.engine.generate(prompts, 10, build_proposer(rt, spec, tree))
+        assert [o.tokens for o in gen.outputs] == [o.tokens for o in plain.outputs], spec
+
+
+@pytest.mark.parametrize("spec, tree, match", [
+    ("beam", None, "unknown proposer 'beam'"),
+    ("plain:x", None, "plain takes no argument"),
+    ("lookup:many", None, "lookup:K with an integer K"),
+    ("draft:layers:x", None, "--draft"),
+    ("draft:layers:9", None, "--layers"),
+    ("medusa", "tree-5", "--tree: 'tree-5'"),
+    ("medusa", "chain-17", "chain depth must be 1..16"),
+])
+def test_bad_specs_say_what_was_wrong(rt, spec, tree, match):
+    with pytest.raises(MedusaError, match=match) as err:
+        build_proposer(rt, spec, tree)
+    assert "\n" not in str(err.value)
+
+
+def test_medusa_without_heads_and_a_draft_of_another_vocabulary(rt, monkeypatch):
+    with pytest.raises(MedusaError, match="needs heads"):
+        build_proposer(tiny_runtime(heads=False), "medusa")
+    from medusa.decoding import draft
+
+    other = Transformer(tiny_model(vocab=101))
+    monkeypatch.setattr(draft, "load_draft", lambda spec, target: DraftModel.of(other))
+    with pytest.raises(MedusaError, match="--draft: elsewhere has a vocabulary of 101"):
+        build_proposer(rt, "draft:elsewhere")
