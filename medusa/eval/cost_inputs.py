@@ -29,9 +29,9 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
     bar.update(len(cfg.batch_sizes) * len(tokens))
     lat: dict = {"target": Latency([(b, t, cal.grid[(b, t)]) for b in cfg.batch_sizes for t in tokens]).to_dict()}
     if draft_spec is not None:
-        draft = methods.proposer(draft_spec).draft
-        lat["draft"] = Latency(measure_forward(draft, cfg.batch_sizes, [1, 2, 4], cm.prefix, cm.repeats,
-                                               bar)).to_dict()
+        draft = methods.proposer(draft_spec).model  # timed with its own head: a draft may score a reduced vocabulary
+        lat["draft"] = Latency(measure_forward(draft.transformer, cfg.batch_sizes, [1, 2, 4], cm.prefix, cm.repeats,
+                                               bar, head=draft.head)).to_dict()
     if rt.heads is not None and acc["medusa"]:
         topk = max(load_tree(s["spec"]).topk for s in acc["medusa"].values())
         lat["heads"] = {str(b): ms for b, ms in measure_heads(rt.heads, rt.model.config.hidden_size,

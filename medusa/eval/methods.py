@@ -4,30 +4,17 @@ planned, and one run of a method dispatched to our engine or to HF `generate()`.
 from __future__ import annotations
 
 from medusa.decoding.proposers import Proposer
+from medusa.runtime.proposers import build_proposer
 from medusa.eval.anchors import run_hf
 from medusa.eval.config import BATCH_ONE_ONLY, HF, EvalConfig, MethodSpec
 from medusa.eval.driver import RunResult, run_engine
 
 
 def make_proposer(rt, m: MethodSpec) -> Proposer | None:
-    """The proposer of one of our methods (None: plain decoding)."""
-    if m.method == "plain":
-        return None
-    if m.method == "medusa":
-        return rt.proposer("medusa", m.tree)
-    if m.method == "feature":
-        from medusa.runtime.feature import method_proposer
-
-        return method_proposer(rt, m.heads, m.tree)
-    if m.method == "draft":
-        from medusa.decoding.draft import DraftProposer, load_draft
-
-        return DraftProposer(load_draft(m.draft or "default", rt.hf_model), m.k or 4)
-    if m.method == "lookup":
-        from medusa.decoding.lookup import LookupProposer
-
-        return LookupProposer(k=m.k or 8, max_ngram=m.max_ngram)
-    raise AssertionError(m.method)
+    """The proposer of one of our methods (None: plain decoding), from the one proposer factory."""
+    spec = {"feature": f"feature:{m.heads}" if m.heads else "feature",
+            "draft": f"draft:{m.draft or 'default'}"}.get(m.method, m.method)
+    return build_proposer(rt, spec, m.tree, k=m.k, max_ngram=m.max_ngram)
 
 
 class Methods:

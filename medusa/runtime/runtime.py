@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from medusa.decoding.chat import chat_ids
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
 from medusa.decoding.hardware import DtypeChoice, Machine, machine, resolve_dtype
@@ -97,13 +98,7 @@ class Runtime:
         for i, text in enumerate(prompts):
             if not text or not text.strip():
                 raise MedusaError(f"--prompt {i + 1} is empty")
-            if raw or not getattr(self.tokenizer, "chat_template", None):
-                ids = self.tokenizer(text)["input_ids"]
-            else:
-                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                         add_generation_prompt=True, tokenize=True)
-                ids = ids["input_ids"] if not isinstance(ids, list) else ids
-            out.append(list(ids))
+            out.append(chat_ids(self.tokenizer, text, raw=raw))
         return out
 
     def decode(self, ids: list[int]) -> str:

@@ -4,14 +4,15 @@ the dynamic policy's defaults calibrated on this machine."""
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
-from medusa.decoding.tree import Tree, chain, load_tree
+from medusa.decoding.proposers import Proposer
+from medusa.decoding.tree import Tree, load_tree
 from medusa.errors import MedusaError
 from medusa.runtime import Runtime
 from medusa.runtime.gate import bucket
+from medusa.runtime.proposers import build_proposer
 from medusa.serve.config import ServeConfig
 from medusa.serve.policy import CostModel, SpeculationPolicy
 
@@ -44,29 +45,15 @@ def medusa_proposers(rt: Runtime, policy: SpeculationPolicy, planned: dict[str, 
 
 
 def tree_by_name(name: str, heads_dir: Path | None = None) -> Tree:
-    """A shipped/file tree (`tree-16`, a path) or `chain-K`: the heads' top-1 tokens only, K deep (what pays
-    when the heads are weak or a tree costs too much)."""
-    m = re.fullmatch(r"chain-(\d+)", name)
-    if m:
-        if not 1 <= int(m.group(1)) <= 16:
-            raise MedusaError(f"policy.trees: {name}: chain depth must be 1..16")
-        return chain(int(m.group(1)))
+    """A tree the policy names (`tree-16`, `chain-K`, a path), read by the one tree parser; errors name the
+    config key."""
     try:
         return load_tree(name, heads_dir=heads_dir)
     except MedusaError as exc:
-        raise MedusaError(f"policy.trees: {exc}") from None
+        raise MedusaError(f"policy.trees: {str(exc).removeprefix('--tree: ')}") from None
 
 
-def load_draft(cfg: ServeConfig, rt: Runtime) -> Any:
-    """A draft-model proposer for `draft` speculation: `default` (the shipped draft of the embedded
-    model), `layers:N` (the target's first N layers), a `medusa train-draft` directory or an HF model
-    sharing the target's tokenizer."""
-    try:
-        from medusa.decoding.draft import DraftProposer, load_draft as load_draft_model
-    except ImportError:
-        raise MedusaError("--draft: draft-model speculation is not available (medusa.decoding.draft is missing)") from None
-    draft = load_draft_model(cfg.draft, rt.hf_model)
-    if draft.config.vocab_size != rt.model.config.vocab_size:
-        raise MedusaError(f"--draft: {cfg.draft} has a vocabulary of {draft.config.vocab_size}, the target "
-                          f"{rt.model.config.vocab_size}; the draft must share the target's tokenizer")
-    return DraftProposer(draft, cfg.draft_k)
+def load_draft(cfg: ServeConfig, rt: Runtime) -> Proposer:
+    """The draft-model proposer for `draft` speculation (`--draft`: `default`, `layers:N`, a `medusa
+    train-draft` directory or an HF model sharing the target's tokenizer), `--draft-k` tokens a step."""
+    return build_proposer(rt, f"draft:{cfg.draft}", k=cfg.draft_k)

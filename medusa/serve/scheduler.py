@@ -37,12 +37,6 @@ PROBE_INTERVAL_S = 2.0  # how often an idle, unhealthy engine tries a one-row pr
 MODES = ("medusa", "draft", "plain")
 
 
-def accepted_per_row(out: StepOutput) -> list[int]:
-    """Candidates each row accepted in a speculative step: it emitted its target token plus `count - 1`
-    accepted candidates (a row cut at EOS or max_tokens counts what it emitted)."""
-    return (out.counts - 1).clamp(min=0).tolist()
-
-
 class Scheduler(Admission):
     def __init__(self, engine: Engine, tokenizer: Any, policy: SpeculationPolicy,
                  proposer_for: Callable[[Decision], Any], metrics: Metrics, *, max_batch: int,
@@ -171,7 +165,7 @@ class Scheduler(Admission):
 
     def _acceptance(self, proposer: Any, out: StepOutput) -> float:
         """Tokens per row of the speculative step just taken (tau); updates the acceptance metrics."""
-        accepted = accepted_per_row(out)
+        accepted = out.accepted.tolist()
         rows = max(len(accepted), 1)
         self.metrics.observe_drafts(accepted, proposer.tree.size - 1, proposer.tree.depth)
         return 1 + sum(accepted) / rows
