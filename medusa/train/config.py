@@ -79,7 +79,9 @@ class WandbConfig(StrictConfig):
     name: str | None = None
 
 
-class TrainConfig(StrictConfig):
+class RunConfig(StrictConfig):
+    """What every training run names first: the target, its dtype, the seed, where it writes, its data."""
+
     model: str = "default"
     # auto: bf16 where the hardware multiplies it natively, fp32 elsewhere; resolved when the config is read,
     # so caches keyed by the dtype (distilled data, hidden states) name the dtype really used.
@@ -87,6 +89,9 @@ class TrainConfig(StrictConfig):
     seed: int = 0
     run_dir: str = "runs/medusa"
     data: DataConfig = Field(default_factory=DataConfig)
+
+
+class TrainConfig(RunConfig):
     heads: HeadsSection = Field(default_factory=HeadsSection)
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)

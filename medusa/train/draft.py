@@ -30,7 +30,7 @@ SHIPPED_DATA = {"sources": ["sharegpt"], "max_prompt_tokens": 192, "max_new_toke
 
 def shipped_distill_config() -> TrainConfig:
     """The training config whose distilled dataset `find_distilled` reads (its model, dtype and data)."""
-    return TrainConfig(data=DataConfig(**SHIPPED_DATA))
+    return TrainConfig(dtype="auto", data=DataConfig(**SHIPPED_DATA))  # a given "auto" is resolved
 
 
 def find_distilled(model: str) -> list[tuple[list[int], list[int]]]:

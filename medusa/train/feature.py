@@ -34,7 +34,7 @@ from pydantic import Field
 from medusa.errors import MedusaError
 from medusa.io import atomic_dir, read_yaml, validate
 from medusa.train import checkpoint as ckpt
-from medusa.train.config import DataConfig, OptimConfig, StrictConfig, WandbConfig, apply_overrides
+from medusa.train.config import OptimConfig, RunConfig, StrictConfig, WandbConfig, apply_overrides
 from medusa.train.data import load_examples, split_groups
 from medusa.train.dist import Dist
 from medusa.train.feature_data import Features, cached_features, draft_vocabulary, extract, feature_fn
@@ -57,12 +57,9 @@ class FeatureLoss(StrictConfig):
     noise: float = Field(default=0.1, ge=0.0)             # uniform noise half-width on input features
 
 
-class FeatureTrainConfig(StrictConfig):
-    model: str = "default"
+class FeatureTrainConfig(RunConfig):
     dtype: Literal["bf16", "fp32"] = "bf16"
-    seed: int = 0
     run_dir: str = "runs/feature"
-    data: DataConfig = Field(default_factory=DataConfig)
     head: HeadSection = Field(default_factory=HeadSection)
     loss: FeatureLoss = Field(default_factory=FeatureLoss)
     optim: OptimConfig = Field(default_factory=OptimConfig)
