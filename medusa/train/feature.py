@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
 import torch
 import torch.nn.functional as F
@@ -101,40 +101,49 @@ def unrolled_mask(steps: int, t: int, dtype: torch.dtype, device) -> torch.Tenso
     return torch.zeros(s, s, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))[None, None]
 
 
-def head_loss(head, cfg: FeatureTrainConfig, feats: torch.Tensor, tokens: torch.Tensor, answer: torch.Tensor,
-              top: torch.Tensor, valid: torch.Tensor, full_to_draft: torch.Tensor, noise: bool = True):
-    """feats [B, T, F] (float), tokens/answer/top/valid [B, T]. Returns (loss, stats per unroll step)."""
-    b, t, _ = feats.shape
-    dev = feats.device
-    h = head.config.hidden_size
-    steps = min(cfg.loss.unroll, t)
-    # Inputs at position s: f_s and x_{s+1}; targets: f_{s+1} and the target's distribution at s+1.
-    nxt = torch.cat([tokens[:, 1:], tokens[:, -1:]], 1)
-    emb = head.embed(nxt).float()
-    f_in = feats[..., : head.config.feature_dim]
-    if noise and cfg.loss.noise > 0:
-        f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * cfg.loss.noise
-    target_feat = torch.cat([feats[:, 1:, -h:], feats[:, -1:, -h:]], 1)  # the final feature at s+1
-    label_ok = torch.zeros(b, t, dtype=torch.bool, device=dev)
-    label_ok[:, : t - 2] = answer[:, 2:] & valid[:, 2:]
-    with torch.no_grad():
-        teacher = torch.softmax(head.lm_head(target_feat).float(), -1)  # draft-vocabulary softmax
-        greedy = torch.cat([top[:, 1:], top[:, -1:]], 1)  # the target's token at s+2
-        greedy_d = full_to_draft[greedy]
-    positions = torch.arange(t, device=dev).expand(b, t)
+def shifted(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, ...] -> the entry at s + 1 for every position s (the last one repeats)."""
+    return torch.cat([x[:, 1:], x[:, -1:]], 1)
+
+
+def unrolled(head, emb: torch.Tensor, f_in: torch.Tensor, label_ok: torch.Tensor, steps: int) -> Iterator:
+    """Run the head `steps` times over a [B, T] batch, step j reading its own step j-1 outputs as the
+    features; yields (j, output [B, T, H], ok [B, T]: the positions with a label at step j)."""
+    b, t = label_ok.shape
+    positions = torch.arange(t, device=emb.device).expand(b, t)
     xs = [head.inputs(emb, f_in, fused=True)]
-    loss = feats.new_zeros(())
-    stats = []
-    for j in range(steps):
-        mask = unrolled_mask(j + 1, t, feats.dtype, dev)
+    for j in range(min(steps, t)):
+        mask = unrolled_mask(j + 1, t, f_in.dtype, emb.device)
         out = head.layer_forward(emb.repeat(1, j + 1, 1), torch.cat(xs, 1), positions.repeat(1, j + 1), mask)
         out = out[:, j * t:]
         ok = label_ok.clone()
         ok[:, :j] = False
+        yield j, out, ok
+        xs.append(head.inputs(emb, torch.cat([out[:, :1] * 0, out[:, :-1]], 1), fused=False))
+
+
+def head_loss(head, cfg: FeatureTrainConfig, feats: torch.Tensor, tokens: torch.Tensor, answer: torch.Tensor,
+              top: torch.Tensor, valid: torch.Tensor, full_to_draft: torch.Tensor, noise: bool = True):
+    """feats [B, T, F] (float), tokens/answer/top/valid [B, T]. Returns (loss, stats per unroll step)."""
+    b, t, _ = feats.shape
+    h = head.config.hidden_size
+    # Inputs at position s: f_s and x_{s+1}; targets: f_{s+1} and the target's distribution at s+1.
+    emb = head.embed(shifted(tokens)).float()
+    f_in = feats[..., : head.config.feature_dim]
+    if noise and cfg.loss.noise > 0:
+        f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * cfg.loss.noise
+    target_feat = shifted(feats[..., -h:])  # the final feature at s+1
+    label_ok = torch.zeros(b, t, dtype=torch.bool, device=feats.device)
+    label_ok[:, : t - 2] = answer[:, 2:] & valid[:, 2:]
+    with torch.no_grad():
+        teacher = torch.softmax(head.lm_head(target_feat).float(), -1)  # draft-vocabulary softmax
+        greedy_d = full_to_draft[shifted(top)]  # the target's token at s+2
+    loss = feats.new_zeros(())
+    stats = []
+    for j, out, ok in unrolled(head, emb, f_in, label_ok, cfg.loss.unroll):
         count = ok.sum().clamp(min=1)
         logits = head.logits(out).float()
-        logq = torch.log_softmax(logits, -1)
-        ce = -(teacher * logq).sum(-1)
+        ce = -(teacher * torch.log_softmax(logits, -1)).sum(-1)
         step_loss = cfg.loss.ce_weight * (ce * ok).sum() / count
         if head.config.style == "eagle1" and cfg.loss.feature_weight > 0:
             sl1 = F.smooth_l1_loss(out, target_feat, reduction="none").mean(-1)
@@ -143,8 +152,6 @@ def head_loss(head, cfg: FeatureTrainConfig, feats: torch.Tensor, tokens: torch.
         with torch.no_grad():
             hit = (logits.argmax(-1) == greedy_d) & ok
             stats.append((int(hit.sum()), int(ok.sum())))
-        prev = torch.cat([out[:, :1] * 0, out[:, :-1]], 1)
-        xs.append(head.inputs(emb, prev, fused=False))
     return loss, stats
 
 
@@ -301,24 +308,15 @@ def evaluate_head(head, cfg: FeatureTrainConfig, hf, fn, held: list[dict], full_
         t = f.shape[1]
         if t < 4:
             continue
-        nxt = torch.cat([tok[:, 1:], tok[:, -1:]], 1)
-        emb = head.embed(nxt).float()
-        greedy = torch.cat([top[:, 1:], top[:, -1:]], 1)
+        emb = head.embed(shifted(tok)).float()
+        lab = full_to_draft[shifted(top)]
         label_ok = torch.zeros(1, t, dtype=torch.bool)
         label_ok[:, : t - 2] = ans[:, 2:]
-        xs = [head.inputs(emb, f[..., : head.config.feature_dim], fused=True)]
-        positions = torch.arange(t).expand(1, t)
-        for j in range(min(steps, t)):
-            out = head.layer_forward(emb.repeat(1, j + 1, 1), torch.cat(xs, 1), positions.repeat(1, j + 1),
-                                     unrolled_mask(j + 1, t, f.dtype, f.device))[:, j * t:]
-            ok = label_ok.clone()
-            ok[:, :j] = False
+        for j, out, ok in unrolled(head, emb, f[..., : head.config.feature_dim], label_ok, steps):
             ranks = head.logits(out).topk(k, -1).indices  # [1, T, k] draft indices
-            lab = full_to_draft[greedy]
             hit = (ranks == lab[..., None]) & ok[..., None]
             hits[j] += hit.float().sum((0, 1))
             counts[j] += ok.sum()
-            xs.append(head.inputs(emb, torch.cat([out[:, :1] * 0, out[:, :-1]], 1), fused=False))
     acc = (hits / counts.clamp(min=1)[:, None]).tolist()
     return {"examples": len(held), "labels_per_step": counts.long().tolist(), "rank_accuracy": acc,
             "top1": [a[0] for a in acc], "topk_accuracy": [[sum(a[: r + 1]) for r in range(len(a))] for a in acc]}
