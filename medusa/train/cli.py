@@ -58,8 +58,6 @@ def add_parser(subparsers) -> None:
 
 
 def add_train_draft_parser(subparsers) -> None:
-    if "train-draft" in subparsers.choices:  # registered by medusa.eval.evaluate until it drops the command
-        return
     t = subparsers.add_parser("train-draft", help="build a small draft model from the target's first layers")
     t.add_argument("--model", default="default")
     t.add_argument("--layers", type=int, default=4, help="how many of the target's first layers to keep")
