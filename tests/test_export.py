@@ -38,7 +38,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def fake_heads(directory: Path, top1: float, hidden: int = 64, num_heads: int = 3) -> Path:
     """Untrained heads with an eval.json claiming `top1` for head 1 and the trees built from it."""
     from medusa.decoding.heads import HeadsConfig, MedusaHeads
-    from medusa.train.trainer import write_trees
+    from medusa.train.outputs import write_trees
 
     MedusaHeads(HeadsConfig(hidden_size=hidden, vocab_size=VOCAB, num_heads=num_heads)).save(directory)
     acc = [[top1 * 0.5 ** k, top1 * 0.2 * 0.5 ** k, 0.01] for k in range(num_heads)]

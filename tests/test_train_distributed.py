@@ -141,7 +141,7 @@ def fake_cuda(monkeypatch):
 
 @pytest.mark.parametrize("local_rank", ["0", "1"])
 def test_each_rank_takes_the_gpu_of_its_local_rank(fake_cuda, monkeypatch, local_rank):
-    from medusa.train.trainer import rank_device
+    from medusa.train.dist import rank_device
 
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     assert rank_device() == torch.device("cuda", int(local_rank))
@@ -150,7 +150,7 @@ def test_each_rank_takes_the_gpu_of_its_local_rank(fake_cuda, monkeypatch, local
 
 def test_rank_device_without_cuda_or_with_too_few_gpus(fake_cuda, monkeypatch):
     from medusa.errors import MedusaError
-    from medusa.train.trainer import rank_device
+    from medusa.train.dist import rank_device
 
     monkeypatch.setenv("LOCAL_RANK", "2")
     with pytest.raises(MedusaError, match="LOCAL_RANK: 2 but this machine has 2 visible CUDA"):

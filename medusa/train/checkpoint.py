@@ -8,8 +8,10 @@ and head configuration; resuming with another base or head layout is refused.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -24,7 +26,7 @@ def rng_state() -> dict:
     """CPU, Python and (where CUDA is available) this process's CUDA generator states."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
-        # Only the current device's generator: each rank owns one device (medusa.train.trainer.rank_device).
+        # Only the current device's generator: each rank owns one device (medusa.train.dist.rank_device).
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
@@ -69,3 +71,70 @@ def check_meta(path: Path, expected: dict) -> dict:
             raise MedusaError(f"checkpoint {path} was made for {key} {meta.get(key)}, but this run has "
                               f"{expected.get(key)}; use another run_dir or the matching config")
     return meta
+
+
+def base_fingerprint(hf_model, name: str) -> dict:
+    """What a checkpoint must match: architecture sizes and a checksum of the output projection."""
+    w = hf_model.get_output_embeddings().weight
+    c = hf_model.config
+    return {"name": name, "hidden_size": c.hidden_size, "vocab_size": w.shape[0],
+            "layers": c.num_hidden_layers, "lm_head_sum": round(float(w[:256].float().abs().sum()), 2)}
+
+
+def save(run, stepper, step: int) -> None:
+    """A checkpoint of a heads training run (`medusa.train.trainer.Run`): heads, what the run's strategy
+    adds (the Medusa-2 adapter), optimizer, scheduler, RNG and loss history."""
+    if stepper.engine is not None:
+        _save_deepspeed(run, stepper, step)
+        return
+    if not run.d.main:
+        return
+
+    def fill(tmp: Path) -> None:
+        run.objective.heads.save(tmp / "heads")
+        run.strategy.save(tmp)
+        torch.save({"step": step, **stepper.state(), "rng": rng_state(), "history": run.history}, tmp / STATE)
+
+    save_checkpoint(run.run_dir / "checkpoints", step, run.meta, fill, run.cfg.keep_checkpoints)
+
+
+def _save_deepspeed(run, stepper, step: int) -> None:
+    """Every process writes its optimizer partition into a shared temporary directory; rank 0 renames."""
+    root = run.run_dir / "checkpoints"
+    tmp = root / f".step-{step:08d}.ds"
+    if run.d.main:
+        root.mkdir(parents=True, exist_ok=True)
+    run.d.barrier()
+    stepper.engine.save_checkpoint(str(tmp), tag="ds", client_state={"step": step, "history": run.history})
+    run.d.barrier()
+    if run.d.main:
+        def fill(t: Path) -> None:
+            run.objective.heads.save(t / "heads")
+            os.replace(tmp / "ds", t / "ds")
+            torch.save({"step": step, "rng": rng_state(), "history": run.history}, t / STATE)
+
+        save_checkpoint(root, step, run.meta, fill, run.cfg.keep_checkpoints)
+        shutil.rmtree(tmp, ignore_errors=True)
+    run.d.barrier()
+
+
+def resume(run, stepper) -> int:
+    """Load the run's latest checkpoint, if any, into heads, strategy, optimizer and RNG; returns its step."""
+    from medusa.decoding.heads import MedusaHeads
+
+    path = latest_checkpoint(run.run_dir / "checkpoints")
+    if path is None:
+        return 0
+    check_meta(path, run.meta)
+    run.objective.heads.load_state_dict(MedusaHeads.load(path / "heads").state_dict())
+    state = torch.load(path / STATE, map_location="cpu", weights_only=False)
+    if stepper.engine is not None:
+        stepper.engine.load_checkpoint(str(path), tag="ds")
+    else:
+        stepper.load_state(state)
+    run.strategy.load(path)
+    set_rng_state(state["rng"])
+    run.history[:] = state.get("history", [])
+    if run.d.main:
+        print(f"resumed from {path} (step {state['step']})", file=sys.stderr)
+    return int(state["step"])

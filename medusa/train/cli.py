@@ -1,4 +1,4 @@
-"""`medusa distill`, `medusa train` and `medusa export` subcommands."""
+"""`medusa distill`, `medusa train`, `medusa train-feature`, `medusa train-draft` and `medusa export` subcommands."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def add_parser(subparsers) -> None:
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. data.limit=256 (repeatable)")
     d.add_argument("--no-progress", action="store_true")
-    # Launchers (deepspeed) may pass this; the device comes from LOCAL_RANK (medusa.train.trainer.rank_device).
+    # Launchers (deepspeed) may pass this; the device comes from LOCAL_RANK (medusa.train.dist.rank_device).
     d.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     d.set_defaults(func=cmd_distill)
 
@@ -39,6 +39,8 @@ def add_parser(subparsers) -> None:
     f.add_argument("--no-progress", action="store_true")
     f.set_defaults(func=cmd_train_feature)
 
+    add_train_draft_parser(subparsers)
+
     e = subparsers.add_parser("export", help="copy a run's heads with their trees and eval.json to a directory, "
                                              "or make them the shipped heads")
     e.add_argument("--heads", required=True, help="a run's heads directory, e.g. runs/smollm2-medusa1/heads")
@@ -53,6 +55,34 @@ def add_parser(subparsers) -> None:
                    "they store (default: the one the heads record)")
     e.add_argument("--force", action="store_true", help="with --to-shipped: replace even if these measure worse")
     e.set_defaults(func=cmd_export)
+
+
+def add_train_draft_parser(subparsers) -> None:
+    t = subparsers.add_parser("train-draft", help="build a small draft model from the target's first layers")
+    t.add_argument("--model", default="default")
+    t.add_argument("--layers", type=int, default=4, help="how many of the target's first layers to keep")
+    t.add_argument("--data", default=None, help="distilled dataset directory (`medusa distill`); default: "
+                   "the training config's, else distil --distill-prompts prompts here")
+    t.add_argument("--distill-prompts", type=int, default=128)
+    t.add_argument("--steps", type=int, default=300)
+    t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--seq-len", type=int, default=256)
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--vocab", type=int, default=8192, help="score only this many token ids (the data's most "
+                   "frequent; 0: the whole vocabulary): a full-vocabulary projection dominates a small draft")
+    t.add_argument("--out", default=None, help="output directory (default: medusa/assets/draft)")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=cmd_train_draft)
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from medusa.train.draft import train_draft
+
+    out = train_draft(model=args.model, layers=args.layers, data=args.data, distill_prompts=args.distill_prompts,
+                      steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                      out=args.out, progress=not args.no_progress, vocab=args.vocab)
+    print(f"draft model: {out}")
+    return 0
 
 
 def cmd_distill(args: argparse.Namespace) -> int:

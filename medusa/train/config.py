@@ -12,11 +12,13 @@ from medusa.io import read_yaml, validate
 from medusa.errors import MedusaError
 
 
-class _Strict(BaseModel):
+class StrictConfig(BaseModel):
+    """A config section that refuses unknown keys (a typo is an error, not a silently ignored key)."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class DataConfig(_Strict):
+class DataConfig(StrictConfig):
     # Prompt sources: "sharegpt", a local json/jsonl/parquet/txt file or a hub dataset id.
     # "mtbench" is refused: it is the evaluation set.
     sources: list[str] = Field(default_factory=lambda: ["sharegpt"], min_length=1)
@@ -32,7 +34,7 @@ class DataConfig(_Strict):
     max_seq_tokens: int = Field(default=512, gt=8)
 
 
-class HeadsSection(_Strict):
+class HeadsSection(StrictConfig):
     num_heads: int = Field(default=4, gt=0, le=16)
     num_layers: int = Field(default=1, gt=0, le=8)
     own_lm_head: bool = False
@@ -40,7 +42,7 @@ class HeadsSection(_Strict):
     candidates: int | None = Field(default=None, gt=0)
 
 
-class LossConfig(_Strict):
+class LossConfig(StrictConfig):
     decay: float = Field(default=0.8, gt=0.0, le=1.0)    # w_k = decay ** k
     weights: list[float] | None = None                  # explicit w_k, overrides decay
     kind: Literal["ce", "kl"] = "ce"                    # hard tokens, or the base's own distribution
@@ -49,7 +51,7 @@ class LossConfig(_Strict):
     vocab_subset: int | None = Field(default=None, ge=0)
 
 
-class OptimConfig(_Strict):
+class OptimConfig(StrictConfig):
     lr: float = Field(default=1e-3, gt=0.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -59,7 +61,7 @@ class OptimConfig(_Strict):
     min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
 
 
-class Medusa2Config(_Strict):
+class Medusa2Config(StrictConfig):
     enabled: bool = False
     lora_r: int = Field(default=8, gt=0)
     lora_alpha: int = Field(default=16, gt=0)
@@ -71,13 +73,15 @@ class Medusa2Config(_Strict):
     lora_lr: float | None = Field(default=None, gt=0.0)
 
 
-class WandbConfig(_Strict):
+class WandbConfig(StrictConfig):
     mode: Literal["offline", "disabled", "online"] = "offline"
     project: str = "medusa"
     name: str | None = None
 
 
-class TrainConfig(_Strict):
+class RunConfig(StrictConfig):
+    """What every training run names first: the target, its dtype, the seed, where it writes, its data."""
+
     model: str = "default"
     # auto: bf16 where the hardware multiplies it natively, fp32 elsewhere; resolved when the config is read,
     # so caches keyed by the dtype (distilled data, hidden states) name the dtype really used.
@@ -85,6 +89,9 @@ class TrainConfig(_Strict):
     seed: int = 0
     run_dir: str = "runs/medusa"
     data: DataConfig = Field(default_factory=DataConfig)
+
+
+class TrainConfig(RunConfig):
     heads: HeadsSection = Field(default_factory=HeadsSection)
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -147,9 +154,8 @@ def parse_config(data: dict, where: str = "config") -> TrainConfig:
     return validate(TrainConfig, data, where)
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a YAML config; `overrides` are `a.b=value` strings (value parsed as YAML)."""
-    data = read_yaml(path)
+def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
+    """Set `a.b=value` strings (value parsed as YAML) into a config's data, in place."""
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -161,4 +167,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainCo
             if not isinstance(node, dict):
                 raise MedusaError(f"--set: {key}: {part} is not a section")
         node[parts[-1]] = yaml.safe_load(value)
-    return parse_config(data, str(path))
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML config; `overrides` are `a.b=value` strings (value parsed as YAML)."""
+    return parse_config(apply_overrides(read_yaml(path), overrides), str(path))

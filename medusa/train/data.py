@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -109,11 +110,18 @@ def answer_ids(tokenizer, answer: str, eos_id: int | None) -> list[int]:
     return list(ids) + ([eos_id] if eos_id is not None else [])
 
 
-def example(prompt_ids: list[int], response_ids: list[int], max_tokens: int) -> dict | None:
-    """input_ids + loss_mask, cut to max_tokens; None when fewer than 3 answer tokens remain."""
-    ids = (list(prompt_ids) + list(response_ids))[:max_tokens]
-    mask = ([0] * len(prompt_ids) + [1] * len(response_ids))[:max_tokens]
-    if sum(mask) < 3:
+def example(prompt_ids: list[int], response_ids: list[int], max_tokens: int, min_answer: int = 3,
+            context: int | None = None) -> dict | None:
+    """input_ids + loss_mask, cut to max_tokens; None when fewer than `min_answer` answer tokens remain.
+    With `context`, a long example first loses the front of its prompt (down to `context` tokens), so that
+    the answer's start is kept, and only then its tail."""
+    ids = list(prompt_ids) + list(response_ids)
+    mask = [0] * len(prompt_ids) + [1] * len(response_ids)
+    if context is not None and len(ids) > max_tokens:
+        cut = min(len(ids) - max_tokens, max(len(prompt_ids) - context, 0))
+        ids, mask = ids[cut:], mask[cut:]
+    ids, mask = ids[:max_tokens], mask[:max_tokens]
+    if sum(mask) < min_answer:
         return None
     return {"input_ids": ids, "loss_mask": mask}
 
@@ -149,8 +157,63 @@ def pad_batch(examples: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
 
 
+def length_batches(examples: list[dict], batch_tokens: int) -> Iterator[list[int]]:
+    """Indices of the examples in batches of similar length (shortest first), each padded batch holding
+    at most `batch_tokens` tokens (a longer example gets a batch of its own)."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
+    i = 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and (j - i + 1) * len(examples[order[j]]["input_ids"]) <= batch_tokens:
+            j += 1
+        yield order[i:j]
+        i = j
+
+
 def split_eval(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Deterministic train / held-out split of n examples (at least one held out when fraction > 0)."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     k = max(1, int(round(n * fraction))) if fraction > 0 and n > 1 else 0
     return sorted(order[k:]), sorted(order[:k])
+
+
+def load_examples(cfg, tokenizer) -> list[tuple[str, list[dict]]]:
+    """Tokenised training examples in named groups (one per distilled shard, so that a cache built from a
+    shard is reused when more shards arrive): distilled answers, or the sources' own answers. Reads
+    cfg.data only (training and feature-head configs alike)."""
+    groups = _distilled_groups(cfg) if cfg.data.use == "distilled" else [("source", _source_examples(cfg, tokenizer))]
+    if sum(len(g) for _, g in groups) < 2:
+        raise MedusaError("data: fewer than 2 usable examples (distil more prompts or raise data.limit)")
+    return groups
+
+
+def _distilled_groups(cfg) -> list[tuple[str, list[dict]]]:
+    from medusa.train.distill import distill_dir, load_shards
+
+    groups = []
+    for name, ds in load_shards(distill_dir(cfg)):
+        exs = [example(p, r, cfg.data.max_seq_tokens) for p, r in zip(ds["prompt_ids"], ds["response_ids"])]
+        groups.append((name, [e for e in exs if e is not None]))
+    return groups
+
+
+def _source_examples(cfg, tokenizer) -> list[dict]:
+    vocab = tokenizer.get_vocab()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in vocab else tokenizer.eos_token_id
+    exs = []
+    for prompt, answer in training_pairs(cfg.data.sources, cfg.data.limit):
+        if answer:
+            e = example(chat_prompt_ids(tokenizer, prompt), answer_ids(tokenizer, answer, eos), cfg.data.max_seq_tokens)
+            if e is not None:
+                exs.append(e)
+    return exs
+
+
+def split_groups(cfg, groups: list[tuple[str, list[dict]]]) -> tuple[list[tuple[str, list[dict]]], list[dict]]:
+    """Held-out examples drawn from every group; returns ([(name, train examples)], eval examples)."""
+    train, held = [], []
+    for name, exs in groups:
+        tr, ev = split_eval(len(exs), cfg.data.eval_fraction, cfg.seed)
+        train.append((name, [exs[i] for i in tr]))
+        held += [exs[i] for i in ev]
+    return train, held

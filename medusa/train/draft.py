@@ -9,7 +9,7 @@ own tensors are saved (bf16), so 4 layers of SmolLM2-135M take about 28 MB.
 
 from __future__ import annotations
 
-import math
+import json
 import random
 from pathlib import Path
 
@@ -18,109 +18,94 @@ import torch
 from medusa.decoding.draft import SHIPPED_DRAFT, save_truncated, truncated_model, vocab_subset_head
 from medusa.errors import MedusaError
 from medusa.io import cache_dir, write_json_atomic
+from medusa.train.config import DataConfig, TrainConfig
+from medusa.train.data import example, pad_batch
+from medusa.train.distill import answer_all, distill_dir, load_distilled, select_prompts
+from medusa.train.optim import lr_schedule
+
+# The data section of configs/train/smollm2-medusa1.yaml (what names its distilled dataset): the answers
+# the shipped heads were trained on, which the draft of the default model reuses.
+SHIPPED_DATA = {"sources": ["sharegpt"], "max_prompt_tokens": 192, "max_new_tokens": 160}
+
+
+def shipped_distill_config() -> TrainConfig:
+    """The training config whose distilled dataset `find_distilled` reads (its model, dtype and data)."""
+    return TrainConfig(dtype="auto", data=DataConfig(**SHIPPED_DATA))  # a given "auto" is resolved
 
 
 def find_distilled(model: str) -> list[tuple[list[int], list[int]]]:
     """(prompt_ids, response_ids) pairs from `medusa distill`'s dataset for the default training config, if
     it has any complete shard; else an empty list."""
-    try:
-        from medusa.train.config import load_config
-        from medusa.train.distill import distill_dir, load_distilled
-    except ImportError:
-        return []
-    config = Path(__file__).resolve().parent.parent / "configs" / "train" / "smollm2-medusa1.yaml"
-    if model != "default" or not config.exists():
+    if model != "default":
         return []
     try:
-        ds = load_distilled(distill_dir(load_config(str(config), [])))
+        return load_pairs(distill_dir(shipped_distill_config()))
     except MedusaError:
         return []
-    return list(zip(ds["prompt_ids"], ds["response_ids"]))
 
 
-def load_pairs(path: str) -> list[tuple[list[int], list[int]]]:
-    try:
-        from medusa.train.distill import load_distilled
-    except ImportError:
-        raise MedusaError("--data needs the training package (train/) installed") from None
+def load_pairs(path: str | Path) -> list[tuple[list[int], list[int]]]:
     ds = load_distilled(path)
     return list(zip(ds["prompt_ids"], ds["response_ids"]))
+
+
+def _answers_dir() -> Path:
+    return cache_dir() / "draft-distill"
+
+
+def _model_name(rt) -> str:
+    return getattr(rt.hf_model, "name_or_path", "model").replace("/", "_")
 
 
 def distil_here(rt, count: int, max_new: int, batch_size: int = 32, progress: bool = True):
     """Greedy answers of the target to `count` ShareGPT prompts (never MT-bench: the evaluation set),
     cached so that a second training run does not distil again."""
-    import json
-
     from tqdm import tqdm
 
-
-    name = getattr(rt.hf_model, "name_or_path", "model").replace("/", "_")
-    cached = cache_dir() / "draft-distill" / f"{name}-{count}-{max_new}.json"
+    cached = _answers_dir() / f"{_model_name(rt)}-{count}-{max_new}.json"
     if cached.exists():
         return [tuple(p) for p in json.loads(cached.read_text())]
-
-    from medusa.prompts import mtbench_prompts, sharegpt_prompts
-
-    held_out = {p.strip() for p in mtbench_prompts()}
-    texts = [p for p in sharegpt_prompts(count * 3) if p.strip() not in held_out]
-    prompts = [ids for ids in rt.encode(texts) if len(ids) <= 192][:count]
-    pairs = []
-    for s in tqdm(range(0, len(prompts), batch_size), desc="distil", disable=not progress):
-        chunk = prompts[s: s + batch_size]
-        gen = rt.engine.generate(chunk, max_new)
-        pairs += [(p, o.tokens) for p, o in zip(chunk, gen.outputs)]
+    cfg = TrainConfig(data=DataConfig(sources=["sharegpt"], limit=count, max_prompt_tokens=192))
+    prompts = [ids for _, ids in select_prompts(cfg, rt.tokenizer)]
+    with tqdm(total=len(prompts) * max_new, unit="tok", desc="distil", disable=not progress) as bar:
+        finished = answer_all(rt.engine, prompts, max_new, batch_size, bar)
+    pairs = [(p, f.tokens) for p, f in zip(prompts, finished)]
     cached.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(cached, pairs, indent=None)
     return pairs
 
 
 def cached_answers(rt) -> list[tuple[list[int], list[int]]]:
-    import json
-
-
-    name = getattr(rt.hf_model, "name_or_path", "model").replace("/", "_")
+    """Every answer earlier train-draft runs distilled for this model."""
     out = []
-    for path in sorted((cache_dir() / "draft-distill").glob(f"{name}-*.json")):
+    for path in sorted(_answers_dir().glob(f"{_model_name(rt)}-*.json")):
         out += [tuple(p) for p in json.loads(path.read_text())]
     return out
 
 
 def make_examples(pairs, seq_len: int) -> list[tuple[list[int], list[int]]]:
-    """(input ids, labels) with labels only on answer tokens (-100 elsewhere), cut to seq_len + 1."""
+    """(input ids, labels) with labels only on answer tokens (-100 elsewhere), cut to seq_len + 1: a long
+    example keeps the answer's start (the prompt's front goes first, down to 8 tokens), then loses its tail."""
     out = []
     for prompt, response in pairs:
-        ids = list(prompt) + list(response)
-        labels = [-100] * len(prompt) + list(response)
-        if len(ids) > seq_len + 1:  # keep the answer's start: drop the front of the prompt, then the tail
-            cut = min(len(ids) - seq_len - 1, max(len(prompt) - 8, 0))
-            ids, labels = ids[cut:][: seq_len + 1], labels[cut:][: seq_len + 1]
-        if sum(lab != -100 for lab in labels[1:]) > 0:
-            out.append((ids, labels))
+        e = example(prompt, response, seq_len + 1, min_answer=1, context=8)
+        if e is not None and sum(e["loss_mask"][1:]) > 0:
+            out.append((e["input_ids"], [t if m else -100 for t, m in zip(e["input_ids"], e["loss_mask"])]))
     return out
 
 
 def collate(batch, pad: int):
-    width = max(len(ids) for ids, _ in batch)
-    x = torch.full((len(batch), width), pad, dtype=torch.long)
-    y = torch.full((len(batch), width), -100, dtype=torch.long)
-    for i, (ids, labels) in enumerate(batch):
-        x[i, : len(ids)] = torch.tensor(ids)
-        y[i, : len(labels)] = torch.tensor(labels)
-    return x[:, :-1], y[:, 1:]
+    """Padded inputs and next-token labels (-100: not an answer token, or padding)."""
+    b = pad_batch([{"input_ids": ids, "loss_mask": [int(lab != -100) for lab in labels]} for ids, labels in batch],
+                  pad)
+    y = torch.where(b["loss_mask"].bool(), b["input_ids"], -100)
+    return b["input_ids"][:, :-1], y[:, 1:]
 
 
-def train_draft(model: str = "default", layers: int = 4, data: str | None = None, distill_prompts: int = 128,
-                steps: int = 300, batch_size: int = 8, seq_len: int = 256, lr: float = 3e-4,
-                out: str | None = None, progress: bool = True, seed: int = 0, vocab: int = 0) -> Path:
-    from tqdm import tqdm
-
-    from medusa.runtime import Runtime
-
-    if steps < 1 or batch_size < 1 or seq_len < 8:
-        raise MedusaError("--steps and --batch-size must be >= 1 and --seq-len >= 8")
-    torch.manual_seed(seed)
-    rt = Runtime.load(model, heads="none", dtype="bf16")
+def training_pairs(rt, model: str, data: str | None, distill_prompts: int, seq_len: int,
+                   progress: bool) -> tuple[list, str]:
+    """(prompt, answer) pairs and a line saying where they came from: --data, the default training config's
+    distilled dataset (plus earlier train-draft answers), else prompts distilled here."""
     pairs = load_pairs(data) if data else find_distilled(model)
     source = data or (f"medusa distill dataset ({len(pairs)} answers)" if pairs else
                       f"{distill_prompts} prompts distilled here")
@@ -130,6 +115,19 @@ def train_draft(model: str = "default", layers: int = 4, data: str | None = None
         extra = cached_answers(rt)
         pairs += extra
         source += f" + {len(extra)} cached answers" if extra else ""
+    return pairs, source
+
+
+def train_draft(model: str = "default", layers: int = 4, data: str | None = None, distill_prompts: int = 128,
+                steps: int = 300, batch_size: int = 8, seq_len: int = 256, lr: float = 3e-4,
+                out: str | None = None, progress: bool = True, seed: int = 0, vocab: int = 0) -> Path:
+    from medusa.runtime import Runtime
+
+    if steps < 1 or batch_size < 1 or seq_len < 8:
+        raise MedusaError("--steps and --batch-size must be >= 1 and --seq-len >= 8")
+    torch.manual_seed(seed)
+    rt = Runtime.load(model, heads="none", dtype="bf16")
+    pairs, source = training_pairs(rt, model, data, distill_prompts, seq_len, progress)
     examples = make_examples(pairs, seq_len)
     if len(examples) < 2:
         raise MedusaError(f"--data: only {len(examples)} usable examples")
@@ -144,16 +142,30 @@ def train_draft(model: str = "default", layers: int = 4, data: str | None = None
     if subset is not None:  # full token id -> row of the reduced head (-100: not scored, ignored)
         lut = torch.full((target.config.vocab_size,), -100, dtype=torch.long)
         lut[subset] = torch.arange(len(subset))
+    pad = rt.tokenizer.pad_token_id or 0
+    before = agreement(draft, head, lut, held, pad)
+    loss = fit(draft, head, lut, train, pad, steps, batch_size, lr, seed, progress)
+    after = agreement(draft, head, lut, held, pad)
+    meta = {"base_model": getattr(rt.hf_model, "name_or_path", model), "hidden_size": target.config.hidden_size,
+            "data": source, "examples": len(train), "steps": steps, "batch_size": batch_size, "seq_len": seq_len,
+            "lr": lr, "final_loss": loss, "vocab_coverage": coverage(pairs, subset), "heldout_top1_before": before,
+            "heldout_top1_after": after}
+    where = save_truncated(draft, out or SHIPPED_DRAFT, meta, subset)
+    print(f"held-out next-token agreement with the target: {before:.3f} -> {after:.3f}")
+    return where
+
+
+def fit(draft, head, lut, train: list, pad: int, steps: int, batch_size: int, lr: float, seed: int,
+        progress: bool) -> float:
+    """Train the draft's own layers and norm (cross-entropy on answer tokens); returns the last loss."""
+    from tqdm import tqdm
+
     trainable = [p for n, p in draft.named_parameters() if not n.startswith(("model.embed_tokens", "lm_head"))]
     for p in trainable:
         p.requires_grad_(True)
     draft.train()
     opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
-    warm = min(20, steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(warm, 1)) * 0.5 * (
-        1 + math.cos(math.pi * min(s, steps) / steps)))
-    pad = rt.tokenizer.pad_token_id or 0
-    before = agreement(draft, head, lut, held, pad)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(min(20, steps // 10), steps))
     rng = random.Random(seed + 1)
     bar = tqdm(range(steps), desc="train-draft", disable=not progress)
     loss_val = float("nan")
@@ -169,13 +181,7 @@ def train_draft(model: str = "default", layers: int = 4, data: str | None = None
         loss_val = loss.item()
         bar.set_postfix(loss=f"{loss_val:.3f}")
     draft.eval().requires_grad_(False)
-    after = agreement(draft, head, lut, held, pad)
-    meta = {"base_model": getattr(rt.hf_model, "name_or_path", model), "hidden_size": target.config.hidden_size,
-            "data": source, "examples": len(train), "steps": steps, "batch_size": batch_size, "seq_len": seq_len,
-            "lr": lr, "final_loss": loss_val, "vocab_coverage": coverage(pairs, subset), "heldout_top1_before": before, "heldout_top1_after": after}
-    where = save_truncated(draft, out or SHIPPED_DRAFT, meta, subset)
-    print(f"held-out next-token agreement with the target: {before:.3f} -> {after:.3f}")
-    return where
+    return loss_val
 
 
 def _logits(draft, head, lut, x, y):

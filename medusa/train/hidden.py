@@ -13,13 +13,15 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from medusa.io import write_atomic
-from medusa.train.data import pad_batch
+from medusa.train.data import length_batches, pad_batch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -59,9 +61,8 @@ class PositionTable:
                    torch.cat([t.seq_end + o for t, o in zip(tables, offsets)]))
 
     def save(self, path: Path, key: str) -> None:
-        tensors = {"hidden": self.hidden.contiguous(), "tokens": self.tokens, "answer": self.answer.to(torch.uint8),
-                   "seq_end": self.seq_end}
-        write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key}))
+        save_keyed(path, {"hidden": self.hidden, "tokens": self.tokens, "answer": self.answer.to(torch.uint8),
+                          "seq_end": self.seq_end}, key)
 
     @classmethod
     def load(cls, path: Path) -> "PositionTable":
@@ -78,34 +79,32 @@ def hf_hidden_fn(model) -> Callable[[dict], torch.Tensor]:
     return run
 
 
+def table_hidden_fn(model, device: torch.device) -> Callable[[dict], torch.Tensor]:
+    """The frozen base's hidden states for a CPU batch, computed on `device` and kept on the CPU (where
+    cached tables live)."""
+    fn = hf_hidden_fn(model)
+    return lambda batch: fn({k: v.to(device) for k, v in batch.items()}).cpu()
+
+
 @torch.inference_mode()
 def build_table(examples: list[dict], hidden_fn: Callable[[dict], torch.Tensor], batch_tokens: int = 4096,
                 progress: bool = False, store_dtype: torch.dtype = torch.bfloat16) -> PositionTable:
     """Run the frozen target over every example (length-sorted batches) and keep the answer window."""
     from tqdm import tqdm
 
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
     parts: dict[int, tuple] = {}
-    i = 0
     bar = tqdm(total=sum(len(e["input_ids"]) for e in examples), unit="tok", desc="hidden states",
                disable=not progress)
-    while i < len(order):
-        longest = len(examples[order[i]]["input_ids"])
-        j = i + 1
-        while j < len(order) and (j - i + 1) * max(longest, len(examples[order[j]]["input_ids"])) <= batch_tokens:
-            longest = max(longest, len(examples[order[j]]["input_ids"]))
-            j += 1
-        chunk = [examples[o] for o in order[i:j]]
-        batch = pad_batch(chunk)
-        hidden = hidden_fn(batch)
-        for r, (o, e) in enumerate(zip(order[i:j], chunk)):
+    for picked in length_batches(examples, batch_tokens):
+        chunk = [examples[o] for o in picked]
+        hidden = hidden_fn(pad_batch(chunk))
+        for r, (o, e) in enumerate(zip(picked, chunk)):
             mask = torch.tensor(e["loss_mask"])
             start = max(int(mask.nonzero()[0, 0]) - 1, 0)  # the last prompt position predicts the answer
             n = len(e["input_ids"])
             parts[o] = (hidden[r, start:n].to(store_dtype).clone(), torch.tensor(e["input_ids"][start:n]),
                         mask[start:n].bool())
             bar.update(n)
-        i = j
     bar.close()
     hs, toks, ans, ends = [], [], [], []
     offset = 0
@@ -121,15 +120,27 @@ def table_key(*parts) -> str:
     return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
-def cached_table(path: Path, key: str, build: Callable[[], PositionTable]) -> PositionTable:
-    """Load the table at `path` if it was built from the same inputs (`key`), else build and save it."""
+def save_keyed(path: Path, tensors: dict[str, torch.Tensor], key: str) -> None:
+    """Tensors in one safetensors file (written atomically) that records the `key` of its inputs."""
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
+    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key}))
+
+
+def cached(path: Path, key: str, build: Callable[[], T], load: Callable[[Path], T]) -> T:
+    """Load the cache at `path` if it was built from the same inputs (`key`), else build it and save it
+    (`build()`'s result has `.save(path, key)`)."""
     if path.exists():
         from safetensors import safe_open
 
         with safe_open(str(path), "pt") as f:
             if (f.metadata() or {}).get("key") == key:
-                return PositionTable.load(path)
-    table = build()
+                return load(path)
+    value = build()
     path.parent.mkdir(parents=True, exist_ok=True)
-    table.save(path, key)
-    return table
+    value.save(path, key)
+    return value
+
+
+def cached_table(path: Path, key: str, build: Callable[[], PositionTable]) -> PositionTable:
+    """Load the table at `path` if it was built from the same inputs (`key`), else build and save it."""
+    return cached(path, key, build, PositionTable.load)

@@ -15,8 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from medusa.io import atomic_dir
+from medusa.train.batches import MicroBatch, teacher_from_seq
 from medusa.train.config import Medusa2Config
 from medusa.train.objective import HeadObjective
+from medusa.train.strategy import HeadsOnly
 
 
 def add_lora(hf_model, cfg: Medusa2Config):
@@ -48,11 +51,7 @@ class Medusa2Module(nn.Module):
                             output_hidden_states=True, use_cache=False)
         hidden = out.hidden_states[-1]
         keep = (labels >= 0).any(-1)
-        teacher = None
-        if kl:
-            t = hidden.shape[1]
-            j = (torch.arange(t)[:, None] + torch.arange(1, labels.shape[-1] + 1)[None]).clamp(max=t - 1)
-            teacher = hidden.detach()[:, j][keep]
+        teacher = teacher_from_seq(hidden.detach(), labels.shape[-1])[keep] if kl else None
         head_loss, stats = self.objective(hidden[keep], labels[keep], norm, teacher)
         loss = self.cfg.head_loss_weight * head_loss
         if not heads_only:
@@ -63,32 +62,44 @@ class Medusa2Module(nn.Module):
         return loss, stats
 
 
-def attach(run) -> Medusa2Module:
-    """Wire the adapter into a training run: trainable parameters, save and load hooks."""
-    module = Medusa2Module(run.hf_model, run.objective, run.cfg.medusa2)
-    run.module = module
-    run.lora_params = [p for n, p in run.hf_model.named_parameters() if p.requires_grad and "lora_" in n]
-    run.save_adapter = lambda d: run.hf_model.save_pretrained(str(d))
-    run.load_adapter = lambda d: _load_adapter(run.hf_model, Path(d))
-    return module
+class Medusa2(HeadsOnly):
+    """The heads and the adapter of a peft model (`add_lora`), each with its own learning rate."""
 
+    runs_base = True  # the batches carry token sequences; the base runs inside the loss
 
-def _load_adapter(model, directory: Path) -> None:
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
+    def __init__(self, objective: HeadObjective, cfg, peft_model, tokenizer):
+        super().__init__(objective, cfg)
+        self.peft_model, self.tokenizer = peft_model, tokenizer
+        self.module = Medusa2Module(peft_model, objective, cfg.medusa2)
 
-    set_peft_model_state_dict(model, load_file(str(directory / "adapter_model.safetensors")))
+    def param_groups(self) -> list[dict]:
+        lora = [p for n, p in self.peft_model.named_parameters() if p.requires_grad and "lora_" in n]
+        groups = super().param_groups()
+        if lora:
+            groups.append({"params": lora, "lr": self.cfg.medusa2.lora_lr or self.cfg.optim.lr})
+        return groups
 
+    def loss(self, model: torch.nn.Module, micro: MicroBatch, step: int) -> tuple[torch.Tensor, dict]:
+        heads_only = step < self.cfg.medusa2.heads_only_steps
+        return model(micro.tokens, micro.labels, micro.norm, micro.base_norm, heads_only, self.cfg.loss.kind == "kl")
 
-def save_merged(run, directory: Path) -> None:
-    """Base with the adapter folded in, as a plain model directory (what `--model DIR` loads)."""
-    from medusa.io import atomic_dir
+    def save(self, directory: Path) -> None:
+        self.peft_model.save_pretrained(str(directory / "adapter"))
 
-    merged = run.hf_model.merge_and_unload()
-    merged = merged.to(torch.bfloat16) if run.cfg.dtype == "bf16" else merged
+    def load(self, directory: Path) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
 
-    def fill(tmp: Path) -> None:
-        merged.save_pretrained(str(tmp))
-        run.tokenizer.save_pretrained(str(tmp))
+        set_peft_model_state_dict(self.peft_model, load_file(str(directory / "adapter" / "adapter_model.safetensors")))
 
-    atomic_dir(directory, fill)
+    def outputs(self, run_dir: Path) -> dict:
+        """Base with the adapter folded in, as a plain model directory (what `--model DIR` loads)."""
+        merged = self.peft_model.merge_and_unload()
+        merged = merged.to(torch.bfloat16) if self.cfg.dtype == "bf16" else merged
+
+        def fill(tmp: Path) -> None:
+            merged.save_pretrained(str(tmp))
+            self.tokenizer.save_pretrained(str(tmp))
+
+        atomic_dir(run_dir / "merged", fill)
+        return {"merged_model": str(run_dir / "merged")}

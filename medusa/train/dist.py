@@ -1,0 +1,91 @@
+"""The process group: one process, `torchrun` (DDP over gloo/nccl) or `deepspeed` (ZeRO 1/2).
+
+Every process sees the same global batch order and takes its slice; `Dist` is what the rest of training
+knows about the others: this process's rank and device, sums over all of them, and barriers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from medusa.errors import MedusaError
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def mine(self, micro: int) -> slice:
+        """This process's rows of a global micro-batch of `micro * world` rows."""
+        return slice(self.rank * micro, (self.rank + 1) * micro)
+
+
+def local_rank() -> int:
+    """This process's index on its machine. torchrun, `deepspeed` and `accelerate launch` all set
+    LOCAL_RANK (the deepspeed launcher also passes `--local_rank=N`, which the CLI accepts and ignores)."""
+    value = os.environ.get("LOCAL_RANK", "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise MedusaError(f"LOCAL_RANK: expected an integer, got {value!r}") from None
+
+
+def rank_device(rank: int | None = None) -> torch.device:
+    """The device this process trains on: `cuda:LOCAL_RANK` (made the current CUDA device, so that NCCL and
+    every bare `cuda` tensor use it) when CUDA is available, else the CPU. Without this every rank would
+    land on GPU 0."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    rank = local_rank() if rank is None else rank
+    count = torch.cuda.device_count()
+    if not 0 <= rank < count:
+        raise MedusaError(f"LOCAL_RANK: {rank} but this machine has {count} visible CUDA device(s); "
+                          "start at most that many processes per machine (or set CUDA_VISIBLE_DEVICES)")
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
+
+
+def init_dist(deepspeed: bool = False) -> Dist:
+    """Join the process group the launcher describes (WORLD_SIZE > 1), or a group of one."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # The device is chosen before the process group starts: NCCL binds each rank to the current device.
+    device = rank_device()
+    if world == 1:
+        return Dist(device=device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if deepspeed:
+            import deepspeed as ds
+
+            ds.init_distributed(dist_backend=backend)
+        else:
+            dist.init_process_group(backend)
+        # A process group still alive when the interpreter tears down may abort the process ("terminate
+        # called without an active exception") after training has finished: close it first.
+        atexit.register(_close_process_group)
+    return Dist(dist.get_rank(), dist.get_world_size(), device)
+
+
+def _close_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

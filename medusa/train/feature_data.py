@@ -1,0 +1,125 @@
+"""The cached features a feature head (`medusa train-feature`) trains on.
+
+Every training sequence goes through the frozen target once, in length-sorted batched prefills; its
+features (final normed hidden states, or fused layers then the final one) and the target's greedy next
+token at every position are kept in a flat per-position table, cached under `run_dir/features/` (bf16, one
+file per chunk of sequences, reused while the data is unchanged, so an interrupted extraction resumes at
+the first missing chunk).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from medusa.train.data import length_batches, pad_batch
+from medusa.train.hidden import cached, save_keyed
+
+
+class Features:
+    """Flat per-position table of many sequences: feats [N, F], tokens [N], answer [N] bool,
+    top [N] (the target's greedy next token after each position), offsets [E+1]."""
+
+    def __init__(self, feats, tokens, answer, top, offsets):
+        self.feats, self.tokens, self.answer, self.top, self.offsets = feats, tokens, answer, top, offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def seq(self, i: int) -> slice:
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+    def positions(self) -> int:
+        """Positions with a label (t + 2 is an answer token)."""
+        return sum(int(self.answer[self.seq(i)][2:].sum()) for i in range(len(self)))
+
+    @classmethod
+    def cat(cls, parts: list["Features"]) -> "Features":
+        offs, base = [torch.zeros(1, dtype=torch.long)], 0
+        for p in parts:
+            offs.append(p.offsets[1:] + base)
+            base += int(p.offsets[-1])
+        return cls(torch.cat([p.feats for p in parts]), torch.cat([p.tokens for p in parts]),
+                   torch.cat([p.answer for p in parts]), torch.cat([p.top for p in parts]), torch.cat(offs))
+
+    def save(self, path: Path, key: str) -> None:
+        save_keyed(path, {"feats": self.feats, "tokens": self.tokens, "answer": self.answer.to(torch.uint8),
+                          "top": self.top, "offsets": self.offsets}, key)
+
+    @classmethod
+    def load(cls, path: Path) -> "Features":
+        from safetensors.torch import load_file
+
+        t = load_file(str(path))
+        return cls(t["feats"], t["tokens"], t["answer"].bool(), t["top"], t["offsets"])
+
+    def batch(self, pick: list[int], max_len: int) -> tuple[torch.Tensor, ...]:
+        """Sequences `pick`, cut to max_len and padded: feats [B, T, F] (float), tokens, answer, top, valid
+        [B, T]."""
+        seqs = [self.seq(i) for i in pick]
+        t = min(max_len, max(s.stop - s.start for s in seqs))
+        b = len(seqs)
+        f = torch.zeros(b, t, self.feats.shape[1])
+        tok = torch.zeros(b, t, dtype=torch.long)
+        ans = torch.zeros(b, t, dtype=torch.bool)
+        top = torch.zeros(b, t, dtype=torch.long)
+        valid = torch.zeros(b, t, dtype=torch.bool)
+        for r, s in enumerate(seqs):
+            n = min(t, s.stop - s.start)
+            f[r, :n] = self.feats[s.start: s.start + n].float()
+            tok[r, :n] = self.tokens[s.start: s.start + n]
+            ans[r, :n] = self.answer[s.start: s.start + n]
+            top[r, :n] = self.top[s.start: s.start + n]
+            valid[r, :n] = True
+        return f, tok, ans, top, valid
+
+
+def feature_fn(model, layers: list[int]):
+    """batch -> (features [B, T, F], greedy next token [B, T]) from an HF causal LM."""
+    def run(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    output_hidden_states=True, use_cache=False)
+        top = out.logits.argmax(-1)
+        final = len(out.hidden_states) - 1
+        if layers:  # the fused features, then the final one (the targets) unless it is the last fused
+            picked = list(layers) + ([final] if layers[-1] != final else [])
+            return torch.cat([out.hidden_states[i] for i in picked], -1), top
+        return out.hidden_states[-1], top
+    return run
+
+
+@torch.inference_mode()
+def extract(examples: list[dict], fn, batch_tokens: int = 4096, progress: bool = False) -> Features:
+    """Run the frozen target over every example (length-sorted batches); keep every position."""
+    from tqdm import tqdm
+
+    parts: dict[int, tuple] = {}
+    bar = tqdm(total=sum(len(e["input_ids"]) for e in examples), unit="tok", desc="features", disable=not progress)
+    for picked in length_batches(examples, batch_tokens):
+        chunk = [examples[o] for o in picked]
+        feats, top = fn(pad_batch(chunk))
+        for r, (o, e) in enumerate(zip(picked, chunk)):
+            n = len(e["input_ids"])
+            parts[o] = (feats[r, :n].to(torch.bfloat16).clone(), torch.tensor(e["input_ids"]),
+                        torch.tensor(e["loss_mask"]).bool(), top[r, :n].clone())
+            bar.update(n)
+    bar.close()
+    seqs = [parts[o] for o in range(len(examples))]
+    offsets = torch.tensor([0] + [len(s[1]) for s in seqs]).cumsum(0)
+    return Features(torch.cat([s[0] for s in seqs]), torch.cat([s[1] for s in seqs]).long(),
+                    torch.cat([s[2] for s in seqs]), torch.cat([s[3] for s in seqs]).long(), offsets)
+
+
+def cached_features(run_dir: Path, name: str, key: str, build) -> Features:
+    return cached(run_dir / "features" / f"{name}.safetensors", key, build, Features.load)
+
+
+def draft_vocabulary(counts: torch.Tensor, size: int, always: int = 256) -> torch.Tensor:
+    """The `size` most frequent answer tokens, most frequent first (ids below `always` lead: special and
+    byte tokens). The order lets inference keep any prefix as a smaller draft vocabulary."""
+    vocab = counts.shape[0]
+    size = min(size, vocab)
+    score = counts.float().clone()
+    score[: min(always, vocab)] += float(counts.sum()) + 1
+    return torch.argsort(score, descending=True, stable=True)[:size]
