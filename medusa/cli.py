@@ -29,7 +29,7 @@ def package_version() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="medusa", description="Self-speculative decoding with Medusa heads")
     # The deepspeed launcher puts `--local_rank=N` before the subcommand; the rank's device comes from
-    # the LOCAL_RANK variable every launcher sets (medusa.train.trainer.rank_device), so the flag is only accepted.
+    # the LOCAL_RANK variable every launcher sets (medusa.train.dist.rank_device), so the flag is only accepted.
     parser.add_argument("--local_rank", "--local-rank", dest="launcher_local_rank", type=int, default=None,
                         help=argparse.SUPPRESS)
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")

@@ -13,6 +13,7 @@ from typing import Iterator
 
 import torch
 
+from medusa.decoding.chat import chat_ids
 from medusa.errors import MedusaError
 from medusa.prompts import mtbench_prompts, sharegpt_conversations
 
@@ -93,15 +94,6 @@ def training_pairs(sources: list[str], limit: int | None = None) -> list[tuple[s
             seen.add(key)
             out.append((prompt, answer))
     return out[:limit] if limit else out
-
-
-def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """The prompt as the engine sees it: one user message and the assistant header."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        return list(ids["input_ids"] if not isinstance(ids, list) else ids)
-    return list(tokenizer(prompt)["input_ids"])
 
 
 def answer_ids(tokenizer, answer: str, eos_id: int | None) -> list[int]:
@@ -203,7 +195,7 @@ def _source_examples(cfg, tokenizer) -> list[dict]:
     exs = []
     for prompt, answer in training_pairs(cfg.data.sources, cfg.data.limit):
         if answer:
-            e = example(chat_prompt_ids(tokenizer, prompt), answer_ids(tokenizer, answer, eos), cfg.data.max_seq_tokens)
+            e = example(chat_ids(tokenizer, prompt), answer_ids(tokenizer, answer, eos), cfg.data.max_seq_tokens)
             if e is not None:
                 exs.append(e)
     return exs

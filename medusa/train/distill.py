@@ -18,11 +18,12 @@ import json
 from collections import deque
 from pathlib import Path
 
+from medusa.decoding.chat import chat_ids
 from medusa.errors import MedusaError
 from medusa.io import atomic_dir, cache_dir, write_json_atomic
 
 from medusa.train.config import TrainConfig
-from medusa.train.data import chat_prompt_ids, training_pairs
+from medusa.train.data import training_pairs
 
 
 def default_distill_dir(cfg: TrainConfig) -> Path:
@@ -46,7 +47,7 @@ def select_prompts(cfg: TrainConfig, tokenizer) -> list[tuple[str, list[int]]]:
     """(prompt, chat-formatted ids) of the training prompts that fit data.max_prompt_tokens."""
     out = []
     for prompt, _ in training_pairs(cfg.data.sources):
-        ids = chat_prompt_ids(tokenizer, prompt)
+        ids = chat_ids(tokenizer, prompt)
         if len(ids) <= cfg.data.max_prompt_tokens:
             out.append((prompt, ids))
             if cfg.data.limit and len(out) >= cfg.data.limit:
