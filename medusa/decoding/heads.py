@@ -146,6 +146,12 @@ class MedusaHeads(nn.Module):
         if self.lm_heads is not None:
             h = [self.lm_heads[i](block(hidden)) for i, block in enumerate(self.blocks[:num_heads])]
             return self.candidate_ids[torch.stack(h).topk(k, dim=-1).indices]
+        h = torch.stack([block(hidden) for block in self.blocks[:num_heads]])
+        return self.candidate_ids[self.candidate_projection()(h).topk(k, dim=-1).indices]
+
+    def candidate_projection(self) -> nn.Module:
+        """The shared base lm_head's rows of the candidate ids as one packed projection (row i scores
+        candidate_ids[i]); built on first use, rebuilt after the candidates or the projection change."""
         if self._candidate_proj is None:
             from medusa.decoding.transformer import packed_linear
 
@@ -153,8 +159,7 @@ class MedusaHeads(nn.Module):
             lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
             lin.weight.data.copy_(weight)
             self._candidate_proj = packed_linear(lin.requires_grad_(False))
-        h = torch.stack([block(hidden) for block in self.blocks[:num_heads]])
-        return self.candidate_ids[self._candidate_proj(h).topk(k, dim=-1).indices]
+        return self._candidate_proj
 
     def projection(self, k: int) -> torch.Tensor:
         """Head k's vocabulary projection [rows, hidden] on the CPU (its own, or the shared base lm_head)."""
