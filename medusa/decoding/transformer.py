@@ -116,7 +116,7 @@ class Transformer(nn.Module):
         if window > cache.capacity:
             raise MedusaError(f"sequence of {window} tokens exceeds the cache capacity {cache.capacity}; "
                               f"lower --max-new-tokens or shorten the prompt")
-        mask, bias = self._pass_masks(lens, block_mask, window, cache.data.dtype)
+        mask, bias = self._pass_masks(lens, block_mask, t, window, cache.data.dtype)
         slots = lens[:, None] + torch.arange(t, device=tokens.device)  # where this block's K/V go
         x = self.embed(tokens)
         rope = rope_tables(*self.rotary(x, positions))
@@ -126,13 +126,13 @@ class Transformer(nn.Module):
             x = layer.forward(x, rope, data[i], row_idx, slots, mask, bias)  # (no per-call hook machinery)
         return self.norm.forward(x)
 
-    def _pass_masks(self, lens: torch.Tensor, block_mask: torch.Tensor, window: int,
+    def _pass_masks(self, lens: torch.Tensor, block_mask: torch.Tensor, t: int, window: int,
                     kv_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The pass's attention mask [B, 1, T, L] and, for short passes, its additive form for `attention`.
 
         One token of one row sees its whole window: no mask, and the fused kernel is the fastest there.
         """
-        b, t = lens.shape[0], block_mask.shape[-2]
+        b = lens.shape[0]
         if b * t == 1:
             return None, None
         mask = pass_mask(lens, block_mask, window)
