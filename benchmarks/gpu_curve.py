@@ -54,7 +54,6 @@ BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 TOKENS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64]
 EVAL_JSON = REPO / "benchmarks" / "results" / "eval-mtbench-final.json"
 FEATURE_TAU = 2.0
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def int_list(text: str) -> list[int]:
@@ -62,10 +61,12 @@ def int_list(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from medusa.decoding.hardware import TORCH_DTYPES
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a small model and a few grid points (runs on CPU)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu (with --tiny)")
-    p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bf16 (fp32 with --tiny)")
+    p.add_argument("--dtype", default=None, choices=list(TORCH_DTYPES), help="default: bf16 (fp32 with --tiny)")
     p.add_argument("--batch-sizes", type=int_list, default=None, help=f"default {BATCH_SIZES} (--tiny: 1,2,4)")
     p.add_argument("--tokens", type=int_list, default=None,
                    help=f"tokens per row, default {TOKENS} (--tiny: 1,2,4); the sizes the predictions need "
@@ -151,9 +152,10 @@ def measure(args, acc: dict, shape) -> dict:
     from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
     from medusa.decoding.feature_runner import HeadRunner, draft_pass_ms
     from medusa.decoding.heads import HeadsConfig, MedusaHeads
+    from medusa.decoding.hardware import TORCH_DTYPES
     from medusa.decoding.transformer import Transformer
 
-    dtype, dev = DTYPES[args.dtype], args.device
+    dtype, dev = TORCH_DTYPES[args.dtype], args.device
     start = time.perf_counter()
     config = TINY if args.tiny else TARGET
     hf = build_llama(config, dtype, dev)

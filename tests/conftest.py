@@ -27,6 +27,23 @@ def tiny_model(arch: str = "llama", seed: int = 0, vocab: int = 97):
     return model.eval().requires_grad_(False)
 
 
+def random_heads(model, num_heads: int = 4, num_layers: int = 1, std: float = 0.3, seed: int = 0,
+                 own: bool = False, candidates: torch.Tensor | None = None):
+    """Medusa heads for `model` with N(0, std) weights, attached: unlike zero-initialised ones they propose
+    something other than the model's own next token. `own`: a projection per head; `candidates`: a
+    candidate vocabulary."""
+    from medusa.decoding.heads import HeadsConfig, MedusaHeads
+
+    torch.manual_seed(seed)
+    cfg = HeadsConfig(model.config.hidden_size, model.config.vocab_size, num_heads, num_layers, own_lm_head=own)
+    heads = MedusaHeads(cfg, model.lm_head)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=std)
+    if candidates is not None:
+        heads.set_candidates(candidates)
+    return heads.attach(model)
+
+
 def mixed_prompts(batch: int, vocab: int = 97, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = [1 + (7 * i + 3) % 19 for i in range(batch)]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import mixed_prompts, tiny_model
+from conftest import mixed_prompts, random_heads, tiny_model
 
 from medusa.decoding import hardware
 from medusa.runtime import calibrate
@@ -218,11 +218,7 @@ class Alternating:
 @pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
 def test_policy_switching_per_step_is_token_identical(batch_size):
     model = tiny_model("llama", seed=21)
-    torch.manual_seed(0)
-    heads = MedusaHeads(HeadsConfig(model.config.hidden_size, model.config.vocab_size, 3, 1))
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    heads = heads.attach(model)
+    heads = random_heads(model, num_heads=3)
     engine = Engine(Transformer(model), eos_token_ids=None)
     prompts = mixed_prompts(batch_size, seed=batch_size)
     plain = engine.generate(prompts, 30)

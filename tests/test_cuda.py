@@ -111,7 +111,8 @@ def test_greedy_fp32_on_cuda_is_token_identical(exact_fp32, arch, batch_size):
     """Plain decoding on the GPU equals HF generate (on the CPU, same weights); Medusa with random heads
     over a deep tree and a proposer accepted several tokens at a time, a different number per row, equal
     plain decoding token for token."""
-    from test_engine import DEEP_TREE, MAX_NEW, OracleProposer, random_heads
+    from conftest import random_heads
+    from test_engine import DEEP_TREE, MAX_NEW, OracleProposer
 
     model = tiny_model(arch)
     prompts = mixed_prompts(batch_size, seed=20 + batch_size)
@@ -164,7 +165,8 @@ def _check_drift(parted: list[dict], rows: int) -> None:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 def test_greedy_bf16_drift_is_only_at_near_ties(device, record_property):
-    from test_engine import DEEP_TREE, MAX_NEW, random_heads
+    from conftest import random_heads
+    from test_engine import DEEP_TREE, MAX_NEW
 
     model = tiny_model("llama", seed=2).to(device, torch.bfloat16)
     prompts = mixed_prompts(8, seed=31)
@@ -189,7 +191,8 @@ def test_a_greedy_medusa_step_waits_for_the_device_at_most_three_times():
     """The step's host synchronisations: the sampling flag (before any work is queued), the cache window
     (`int(lens.max())`, after the proposal) and the one read of counts and finish flags. Anything more
     was added since; the failure lists where each came from."""
-    from test_engine import DEEP_TREE, random_heads
+    from conftest import random_heads
+    from test_engine import DEEP_TREE
 
     model = tiny_model("llama").to(CUDA)
     engine = Engine(Transformer(model), eos_token_ids=None)
@@ -220,8 +223,8 @@ def test_sampling_on_cuda_has_the_target_distribution(kind):
     """Rejection acceptance on the GPU samples exactly the target's distribution (plain sampling, a Medusa
     tree, a chain drawn from a wrong distribution); the same test rejects typical acceptance there."""
     from medusa.decoding.sampling import SamplingParams
-    from test_sampling import (PARAMS, SampledChain, chi_square_pvalue, exact_pairs, random_heads, sample_pairs,
-                               small_model)
+    from conftest import random_heads
+    from test_sampling import PARAMS, SampledChain, chi_square_pvalue, exact_pairs, sample_pairs, small_model
 
     model = small_model()
     gpu = copy.deepcopy(model).to(CUDA)

@@ -118,19 +118,14 @@ def test_selection_keeps_parents_and_dead_nodes_are_never_accepted():
 
 @pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
 def test_medusa_heads_with_dynamic_trees_match_plain(batch_size):
-    from conftest import mixed_prompts, tiny_model
+    from conftest import mixed_prompts, random_heads, tiny_model
     from medusa.decoding.dynamic_tree import MedusaDynamicProposer
     from medusa.decoding.engine import Engine
-    from medusa.decoding.heads import HeadsConfig, MedusaHeads
     from medusa.decoding.transformer import Transformer
 
     model = tiny_model("llama", vocab=16)
     engine = Engine(Transformer(model), eos_token_ids=None)
-    torch.manual_seed(0)
-    heads = MedusaHeads(HeadsConfig(64, 16, 4, 1))
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    heads.attach(model)
+    heads = random_heads(model)
     prompts = mixed_prompts(batch_size, vocab=16, seed=batch_size)
     plain = engine.generate(prompts, 24)
     for candidates in (None, torch.arange(0, 16, 2)):

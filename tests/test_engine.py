@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import hf_greedy, mixed_prompts, tiny_model
+from conftest import hf_greedy, mixed_prompts, random_heads, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
 from medusa.decoding.proposers import MedusaProposer, Proposal
@@ -14,14 +14,6 @@ MAX_NEW = 24
 # A fixed 16-node, 4-deep tree (the shipped trees follow the trained heads and may change shape).
 DEEP_TREE = Tree([[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
                   [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [1, 0, 0, 0]], name="deep-16")
-
-
-def random_heads(model, num_heads=4, seed=0, std=0.3):
-    torch.manual_seed(seed)
-    heads = MedusaHeads(HeadsConfig(model.config.hidden_size, model.config.vocab_size, num_heads, 1))
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=std)
-    return heads.attach(model)
 
 
 def test_medusa_with_candidate_vocabulary_matches_plain():

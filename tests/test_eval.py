@@ -6,12 +6,11 @@ import pytest
 import torch
 import yaml
 
-from conftest import tiny_model
+from conftest import random_heads, tiny_model
 from medusa.cli import main
 from medusa.eval.config import load_config
 from medusa.eval.driver import prompts_for_batch
 from medusa.errors import MedusaError
-from medusa.decoding.heads import HeadsConfig, MedusaHeads
 from medusa.eval.report import validate
 
 
@@ -27,11 +26,7 @@ def tiny_checkpoint(root):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(model_dir)
-    torch.manual_seed(0)
-    heads = MedusaHeads(HeadsConfig(64, 97, num_heads=4))
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    heads.save(heads_dir)
+    random_heads(model).save(heads_dir)
     g = torch.Generator().manual_seed(1)
     prompts = [" ".join(f"w{int(t)}" for t in torch.randint(0, 97, (n,), generator=g)) for n in (3, 9, 5, 12)]
     (root / "prompts.txt").write_text("\n".join(prompts) + "\n")

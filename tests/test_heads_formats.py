@@ -10,6 +10,7 @@ each head proposes from the same hidden states.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+import conftest
 from medusa.cli import main
 from medusa.errors import MedusaError
-from medusa.decoding.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.heads import MedusaHeads
 from train_helpers import VOCAB, save_tiny_model
 
 HIDDEN, HEADS, LAYERS = 64, 3, 2
@@ -36,15 +38,8 @@ def target(tmp_path_factory):
     return directory, model
 
 
-def random_heads(model, own: bool = False, candidates: bool = False, seed: int = 0) -> MedusaHeads:
-    torch.manual_seed(seed)
-    cfg = HeadsConfig(HIDDEN, VOCAB, num_heads=HEADS, num_layers=LAYERS, own_lm_head=own)
-    heads = MedusaHeads(cfg, model.lm_head)
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    if candidates:
-        heads.set_candidates(CANDIDATES)
-    return heads.attach(model)
+# The heads of these tests: HEADS heads of LAYERS blocks each.
+random_heads = partial(conftest.random_heads, num_heads=HEADS, num_layers=LAYERS, std=0.2)
 
 
 def saved(heads: MedusaHeads, directory: Path, base_model: str) -> Path:
@@ -133,7 +128,7 @@ def fasterdecoding_v1(directory: Path, model) -> torch.nn.ModuleList:
 @pytest.mark.parametrize("own, candidates", [(False, False), (False, True), (True, False)])
 def test_vllm_export_has_the_names_shapes_and_config_vllm_reads(target, tmp_path, capsys, own, candidates):
     model_dir, model = target
-    heads = random_heads(model, own=own, candidates=candidates)
+    heads = random_heads(model, own=own, candidates=CANDIDATES if candidates else None)
     src = saved(heads, tmp_path / "heads", str(model_dir))
     out = tmp_path / "vllm"
     assert main(["export", "--heads", str(src), "--format", "vllm", "--out", str(out)]) == 0
@@ -238,7 +233,7 @@ def test_medusa_export_loads_in_fasterdecodings_v1_and_v2_models(target, tmp_pat
 
 def test_medusa_export_says_it_drops_the_candidate_vocabulary(target, tmp_path, capsys):
     model_dir, model = target
-    src = saved(random_heads(model, candidates=True), tmp_path / "heads", str(model_dir))
+    src = saved(random_heads(model, candidates=CANDIDATES), tmp_path / "heads", str(model_dir))
     assert main(["export", "--heads", str(src), "--format", "medusa", "--out", str(tmp_path / "o")]) == 0
     err = capsys.readouterr().err
     assert "no candidate vocabulary" in err and "12 candidates are dropped" in err

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import hf_greedy, mixed_prompts, tiny_model
+from conftest import hf_greedy, mixed_prompts, random_heads, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
@@ -73,14 +73,6 @@ class SampledChain:
         q = torch.softmax(logits, -1)
         tokens = torch.multinomial(q.view(-1, V), 1, generator=self.gen).view(n, -1)
         return Proposal(tokens, q)
-
-
-def random_heads(model, seed=0):
-    torch.manual_seed(seed)
-    heads = MedusaHeads(HeadsConfig(model.config.hidden_size, V, 4, 1))
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return heads.attach(model)
 
 
 PARAMS = SamplingParams(temperature=1.0, acceptance="rejection", seed=None)

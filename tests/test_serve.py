@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import random_heads, tiny_model
 from medusa.serve.app import create_app
 from medusa.serve.config import ServeConfig
 
@@ -38,19 +38,12 @@ def embedded_tokenizer():
 def tiny_runtime(tokenizer, seed: int = 0, heads: bool = True, device: str = "cpu"):
     """A Runtime over a tiny random Llama with the embedded tokenizer and random Medusa heads."""
     from medusa.decoding.engine import Engine
-    from medusa.decoding.heads import HeadsConfig, MedusaHeads
     from medusa.runtime.runtime import Runtime, eos_ids
     from medusa.decoding.transformer import Transformer
 
     model = tiny_model("llama", seed=seed, vocab=VOCAB).to(device)
     model.config.eos_token_id = tokenizer.eos_token_id
-    medusa_heads = None
-    if heads:
-        torch.manual_seed(seed)
-        medusa_heads = MedusaHeads(HeadsConfig(model.config.hidden_size, VOCAB, 4, 1))
-        for p in medusa_heads.parameters():
-            torch.nn.init.normal_(p, std=0.3)
-        medusa_heads = medusa_heads.attach(model)
+    medusa_heads = random_heads(model, seed=seed) if heads else None
     transformer = Transformer(model)
     engine = Engine(transformer, eos_ids(model, tokenizer))
     return Runtime(model, tokenizer, transformer, engine, medusa_heads)

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import random_heads, tiny_model
 from medusa.errors import MedusaError
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
 from medusa.decoding.proposers import MedusaProposer
@@ -95,13 +95,9 @@ def test_build_tree_prefers_likely_nodes():
     assert tree.nodes == [(0,), (1,), (0, 0)]
 
 
-def _random_heads(own: bool, seed=0):
+def _random_heads(own: bool):
     model = tiny_model()
-    torch.manual_seed(seed)
-    heads = MedusaHeads(HeadsConfig(64, 97, num_heads=3, num_layers=2, own_lm_head=own), model.lm_head)
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.1)
-    return model, heads.attach(model)
+    return model, random_heads(model, num_heads=3, num_layers=2, std=0.1, own=own)
 
 
 @pytest.mark.parametrize("own", [False, True])

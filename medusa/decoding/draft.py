@@ -33,7 +33,7 @@ from medusa.io import ASSETS
 from medusa.decoding.proposers import Proposal
 from medusa.decoding.ragged import aux_state, catch_up, causal, common_prefix, context
 from medusa.decoding.sampling import argmax
-from medusa.decoding.transformer import KVCache, Transformer, _packed
+from medusa.decoding.transformer import KVCache, Transformer, packed_linear
 from medusa.decoding.tree import chain
 
 if TYPE_CHECKING:
@@ -213,7 +213,7 @@ def load_draft(spec: str, target: torch.nn.Module) -> DraftModel:
     model = Transformer(hf)
     if vocab is None:
         return DraftModel.of(model)
-    return DraftModel(model, _packed(vocab_subset_head(target, vocab)), vocab.to(model.device))
+    return DraftModel(model, packed_linear(vocab_subset_head(target, vocab)), vocab.to(model.device))
 
 
 def vocab_subset_head(target: torch.nn.Module, vocab: torch.Tensor) -> torch.nn.Linear:

@@ -233,12 +233,12 @@ class MedusaDynamicProposer:
             logits = heads(hidden, self.projection, d)
         else:
             if self._proj is None:
-                from medusa.decoding.transformer import _packed
+                from medusa.decoding.transformer import packed_linear
 
                 w = heads.base_lm_head.weight.detach()[ids]
                 lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
                 lin.weight.data.copy_(w)
-                self._proj = _packed(lin.requires_grad_(False))
+                self._proj = packed_linear(lin.requires_grad_(False))
             logits = self._proj(torch.stack([block(hidden) for block in heads.blocks[:d]]))
         top = torch.log_softmax(logits.float(), -1).topk(self.topk, -1)
         tok = top.indices if ids is None else ids[top.indices]

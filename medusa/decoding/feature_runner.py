@@ -17,18 +17,18 @@ from torch import nn
 
 from medusa.decoding.feature_heads import FeatureHead
 from medusa.errors import MedusaError
-from medusa.decoding.transformer import (FP32_ATTENTION_ROWS, SHORT_BLOCK, KVCache, RMSNorm, Transformer, _attention, _Layer,
-                          _packed, _rope_, _rope_tables, _short_block_bias)
+from medusa.decoding.transformer import (FP32_ATTENTION_ROWS, SHORT_BLOCK, DecoderLayer, KVCache, RMSNorm, Transformer,
+                                         attention, packed_linear, rope_, rope_tables, short_block_bias)
 
-class _HeadLayer(_Layer):
-    """`medusa.decoding.transformer._Layer` (fused, packed projections, the shared attention) with the head's
+class _HeadLayer(DecoderLayer):
+    """`medusa.decoding.transformer.DecoderLayer` (fused, packed projections, the shared attention) with the head's
     inputs: eagle1 attends over x itself (no input norm); eagle3 over [norm(emb), norm(x)], residual x."""
 
     def __init__(self, head: FeatureHead, head_dim: int):
         super().__init__(head.layer, head_dim)
         self.hnorm = RMSNorm(head.hidden_norm) if head.hidden_norm is not None else None
 
-    def forward(self, emb, x, rope, kv, row_idx, slots, mask, bias):  # noqa: D401 (same contract as _Layer)
+    def forward(self, emb, x, rope, kv, row_idx, slots, mask, bias):  # noqa: D401 (same contract as DecoderLayer)
         b, t, _ = x.shape
         d, nq, nkv = self.head_dim, self.nq, self.nkv
         a_in = x if self.hnorm is None else torch.cat([self.ln1.forward(emb), self.hnorm.forward(x)], -1)
@@ -36,9 +36,9 @@ class _HeadLayer(_Layer):
         if self.q_norm is not None:
             qkv[:, :, :nq] = self.q_norm.forward(qkv[:, :, :nq])
             qkv[:, :, nq: nq + nkv] = self.k_norm.forward(qkv[:, :, nq: nq + nkv])
-        _rope_(qkv[:, :, : nq + nkv], *rope)
+        rope_(qkv[:, :, : nq + nkv], *rope)
         kv[:, row_idx, :, slots] = qkv[:, :, nq:].unflatten(2, (2, nkv)).to(kv.dtype)
-        o = _attention(qkv[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
+        o = attention(qkv[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
         x = self.wo.plus(o, x)
         gate, up = self.w13.forward(self.ln2.forward(x)).chunk(2, dim=-1)
         return self.w2.plus(F.silu(gate) * up, x)
@@ -60,14 +60,14 @@ class HeadRunner(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.layer = _HeadLayer(head, self.head_dim)
-        self.fc = _packed(head.fc.requires_grad_(False))
+        self.fc = packed_linear(head.fc.requires_grad_(False))
         lm = head.lm_head.requires_grad_(False)
         ids = head.draft_ids
         if vocab is not None and vocab < len(ids):  # the first `vocab` draft ids (trained heads: most frequent)
             lm = nn.Linear(lm.in_features, vocab, bias=False, dtype=dtype).requires_grad_(False)
             lm.weight.data.copy_(head.lm_head.weight[:vocab])
             ids = ids[:vocab]
-        self.lm_head = _packed(lm)
+        self.lm_head = packed_linear(lm)
         self.norm = RMSNorm(head.norm) if head.norm is not None else None
         self.rotary = head.rotary
         self._embed = [embed]
@@ -111,10 +111,10 @@ class HeadRunner(nn.Module):
         bias = None
         if t <= SHORT_BLOCK:
             fp32 = cache.data.dtype == torch.float32 or (x.device.type == "cpu" and b * t <= FP32_ATTENTION_ROWS)
-            bias = _short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv,
-                                     torch.float32 if fp32 else self.dtype)
+            bias = short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv,
+                                    torch.float32 if fp32 else self.dtype)
         slots = hl[:, None] + used + torch.arange(t, device=x.device)
-        rope = _rope_tables(*self.rotary(x, positions))
+        rope = rope_tables(*self.rotary(x, positions))
         kv = cache.data[0, :, rows, :, :window]
         row_idx = torch.arange(b, device=x.device)[:, None]
         return self.layer.forward(emb, x, rope, kv, row_idx, slots, mask, bias)

@@ -24,6 +24,7 @@ DTYPE_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "f
 DTYPE_CHOICES = ["auto", *DTYPE_NAMES]
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHORT_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+DTYPE_HINT = f"choose auto, {', '.join(list(TORCH_DTYPES)[:-1])} or {list(TORCH_DTYPES)[-1]}"
 
 
 @dataclass(frozen=True)
@@ -97,22 +98,27 @@ def machine(device: torch.device | str = "cpu") -> Machine:
                    torch.get_num_threads())
 
 
+def _short_name(spelling: str) -> str | None:
+    """The short name of an accepted spelling (any case, `torch.` prefix allowed); None if there is none."""
+    return DTYPE_NAMES.get(str(spelling).lower().removeprefix("torch."))
+
+
 def short_dtype(name: str | torch.dtype) -> str:
     """'bfloat16', torch.bfloat16, 'bf16' -> 'bf16' (and so on); refuses anything else by name."""
     if isinstance(name, torch.dtype):
         if name not in SHORT_NAMES:
             raise MedusaError(f"--dtype: unsupported dtype {name}")
         return SHORT_NAMES[name]
-    key = str(name).lower().removeprefix("torch.")
-    if key not in DTYPE_NAMES:
-        raise MedusaError(f"--dtype: unknown dtype {name!r}; choose auto, bf16, fp16 or fp32")
-    return DTYPE_NAMES[key]
+    short = _short_name(name)
+    if short is None:
+        raise MedusaError(f"--dtype: unknown dtype {name!r}; {DTYPE_HINT}")
+    return short
 
 
 def check_dtype_spelling(spec: str) -> str:
     """For config validators: `auto` or an accepted spelling passes unchanged; anything else is a ValueError."""
-    if spec.lower() != "auto" and spec.lower().removeprefix("torch.") not in DTYPE_NAMES:
-        raise ValueError(f"unknown dtype {spec!r}; choose auto, bf16, fp16 or fp32")
+    if spec.lower() != "auto" and _short_name(spec) is None:
+        raise ValueError(f"unknown dtype {spec!r}; {DTYPE_HINT}")
     return spec
 
 

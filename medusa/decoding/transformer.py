@@ -68,6 +68,12 @@ class KVCache:
             self.lens[d] = self.lens[s]
 
 
+def cache_capacity(prompt_tokens: int, max_new_tokens: int, block: int = 1) -> int:
+    """KV slots per row for prompts of up to `prompt_tokens` that grow by up to `max_new_tokens`, with room
+    past them for one pass of `block` tokens (a candidate tree's size; 1 for plain decoding) and a spare."""
+    return prompt_tokens + max_new_tokens + block + 1
+
+
 class Transformer(nn.Module):
     """hidden = forward(tokens, positions, cache, rows, block_mask); logits = lm_head(hidden)."""
 
@@ -84,8 +90,8 @@ class Transformer(nn.Module):
         self.embed = inner.embed_tokens
         self.norm = RMSNorm(inner.norm)
         self.rotary = inner.rotary_emb
-        self.lm_head = _packed(hf_model.lm_head)
-        self.layers = nn.ModuleList(_Layer(layer, self.head_dim) for layer in inner.layers)
+        self.lm_head = packed_linear(hf_model.lm_head)
+        self.layers = nn.ModuleList(DecoderLayer(layer, self.head_dim) for layer in inner.layers)
 
     @property
     def device(self) -> torch.device:
@@ -113,7 +119,7 @@ class Transformer(nn.Module):
         mask, bias = self._pass_masks(lens, block_mask, t, window, cache.data.dtype)
         slots = lens[:, None] + torch.arange(t, device=tokens.device)  # where this block's K/V go
         x = self.embed(tokens)
-        rope = _rope_tables(*self.rotary(x, positions))
+        rope = rope_tables(*self.rotary(x, positions))
         data = cache.data[:, :, rows, :, :window]
         row_idx = torch.arange(b, device=tokens.device)[:, None]
         for i, layer in enumerate(self.layers):
@@ -122,25 +128,28 @@ class Transformer(nn.Module):
 
     def _pass_masks(self, lens: torch.Tensor, block_mask: torch.Tensor, t: int, window: int,
                     kv_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The pass's attention mask [B, 1, T, L] and, for short passes, its additive form for `_attention`.
+        """The pass's attention mask [B, 1, T, L] and, for short passes, its additive form for `attention`.
 
         One token of one row sees its whole window: no mask, and the fused kernel is the fastest there.
         """
         b = lens.shape[0]
         if b * t == 1:
             return None, None
-        rel = torch.arange(window, device=lens.device)[None, :] - lens[:, None]  # [B, L]
-        in_block = (rel >= 0) & (rel < t)
-        bm = block_mask if block_mask.dim() == 3 else block_mask.expand(b, t, t)
-        block_part = torch.gather(bm, 2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, window))
-        mask = ((rel < 0)[:, None, :] | (in_block[:, None, :] & block_part))[:, None]
+        mask = pass_mask(lens, block_mask, window)
         if t > SHORT_BLOCK:
             return mask, None
-        return mask, _short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv,
-                                       attention_dtype(lens.device.type, self.dtype, kv_dtype, b * t))
+        return mask, short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv,
+                                      attention_dtype(lens.device.type, self.dtype, kv_dtype, b * t))
 
 
-class _Layer(nn.Module):
+class DecoderLayer(nn.Module):
+    """One Llama-family decoder layer over a ragged cache, built from an HF layer's weights.
+
+    What subclasses may rely on: `ln1`, `ln2`, `q_norm`/`k_norm` (None when the model has none), the fused
+    packed projections `wqkv`, `wo`, `w13`, `w2`, the sizes `head_dim`, `nq`, `nkv` and `scale`, and
+    `block`, the layer after its input norm (so a layer with other attention inputs reuses the rest).
+    """
+
     def __init__(self, hf_layer: nn.Module, head_dim: int):
         super().__init__()
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
@@ -152,24 +161,31 @@ class _Layer(nn.Module):
         self.nkv = attn.k_proj.out_features // head_dim
         # Fused projections: one matmul instead of three (and two) per layer; at batch size 1 each call
         # costs more in fixed overhead than its weights take to read.
-        self.wqkv = _packed(_fuse(attn.q_proj, attn.k_proj, attn.v_proj))
-        self.wo = _packed(attn.o_proj)
-        self.w13 = _packed(_fuse(mlp.gate_proj, mlp.up_proj))
-        self.w2 = _packed(mlp.down_proj)
+        self.wqkv = packed_linear(_fuse(attn.q_proj, attn.k_proj, attn.v_proj))
+        self.wo = packed_linear(attn.o_proj)
+        self.w13 = packed_linear(_fuse(mlp.gate_proj, mlp.up_proj))
+        self.w2 = packed_linear(mlp.down_proj)
         self.scale = attn.scaling
 
     def forward(self, x, rope, kv, row_idx, slots, mask, bias):
+        return self.block(self.ln1.forward(x), x, rope, kv, row_idx, slots, mask, bias)
+
+    def block(self, attn_in: torch.Tensor, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+              kv: torch.Tensor, row_idx: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        """Attention over `attn_in` [B, T, *] (the normed input) added to the residual x [B, T, h], then the
+        MLP. This block's K/V are written into kv [2, B, KV, L, D] at `slots` [B, T] (rows `row_idx`)."""
         b, t, _ = x.shape
         d, nq, nkv = self.head_dim, self.nq, self.nkv
-        qkv = self.wqkv.forward(self.ln1.forward(x)).view(b, t, nq + 2 * nkv, d)
+        qkv = self.wqkv.forward(attn_in).view(b, t, nq + 2 * nkv, d)
         if self.q_norm is not None:
             qkv[:, :, :nq] = self.q_norm.forward(qkv[:, :, :nq])
             qkv[:, :, nq: nq + nkv] = self.k_norm.forward(qkv[:, :, nq: nq + nkv])
-        _rope_(qkv[:, :, : nq + nkv], *rope)  # q and k rotated in one go, in place
+        rope_(qkv[:, :, : nq + nkv], *rope)  # q and k rotated in one go, in place
         # K and V of this block go after each row's prefix: they lie side by side in qkv, so one write
         # stores both.
         kv[:, row_idx, :, slots] = qkv[:, :, nq:].unflatten(2, (2, nkv)).to(kv.dtype)
-        o = _attention(qkv[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
+        o = attention(qkv[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
         x = self.wo.plus(o, x)
         gate, up = self.w13.forward(self.ln2.forward(x)).chunk(2, dim=-1)
         return self.w2.plus(F.silu(gate) * up, x)
@@ -230,18 +246,33 @@ def mirrored_norm(device_type: str, dtype: torch.dtype) -> bool:
     return device_type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
 
-def _short_block_bias(mask: torch.Tensor, kvh: int, g: int, dtype: torch.dtype) -> torch.Tensor:
-    """The pass mask [B, 1, T, L] as the additive [B*KV, G*T, L] term of `_attention`'s score matmul,
-    built once per pass for all layers."""
+def pass_mask(lens: torch.Tensor, visible: torch.Tensor, window: int) -> torch.Tensor:
+    """The attention mask [B, 1, T, L] of a pass whose S block entries start at each row's `lens` [B]:
+    every entry before them is seen, entries past the block are not, and `visible` [T, S] or [B, T, S]
+    says which block entries each of the pass's T tokens sees (S = T when the block is the pass itself)."""
+    b, (t, span) = lens.shape[0], visible.shape[-2:]
+    rel = torch.arange(window, device=lens.device)[None, :] - lens[:, None]  # [B, L]
+    in_block = (rel >= 0) & (rel < span)
+    vis = visible if visible.dim() == 3 else visible.expand(b, t, span)
+    block_part = torch.gather(vis, 2, rel.clamp(0, span - 1)[:, None, :].expand(b, t, window))
+    return ((rel < 0)[:, None, :] | (in_block[:, None, :] & block_part))[:, None]
+
+
+def short_block_bias(mask: torch.Tensor, kvh: int, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """The pass mask [B, 1, T, L] as the additive [B*KV, G*T, L] term of `attention`'s score matmul for
+    `kvh` KV heads of `g` query heads each, built once per pass for all layers."""
     b, _, t, window = mask.shape
     bias = torch.zeros(b, 1, 1, t, window, dtype=dtype, device=mask.device)
     bias.masked_fill_(~mask[:, :, None], float("-inf"))
     return bias.expand(b, kvh, g, t, window).reshape(b * kvh, g * t, window)
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                bias: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [B, T, H, D] over the cache window k/v [B, KV, L, D] -> [B, T, H*D].
+    """q [B, T, H, D] over the cache window k/v [B, KV, L, D] -> [B, T, H*D], in q's dtype.
+
+    `bias` (from `short_block_bias`, in the dtype to attend in) selects the matmul path; without it `mask`
+    (None: everything visible) goes to the fused kernel.
 
     For the short blocks of decoding (a few tokens per row, or candidate trees), batched matmuls with the
     query heads of each KV group stacked, the scale and the mask folded into the first (`bias`), beat the
@@ -310,6 +341,7 @@ class Linear(nn.Module):
 
 
 def packing_available(weight: torch.Tensor) -> bool:
+    """Whether a weight of this device and dtype is packed (see `pack_weights`)."""
     return pack_weights(weight.device.type, weight.dtype)
 
 
@@ -325,18 +357,20 @@ def pack_weights(device_type: str, dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def _packed(linear: nn.Linear) -> Linear:
+def packed_linear(linear: nn.Linear) -> Linear:
+    """A frozen inference copy of `linear`, packed where its device and dtype allow (same results)."""
     return Linear(linear, pack=packing_available(linear.weight))
 
 
-def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [B, T, D] shaped for [B, T, H, D] tensors, with rotate_half's sign folded into sin."""
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, T, D] (the HF rotary embedding's output) shaped for [B, T, H, D] tensors, with
+    rotate_half's sign folded into sin: the `rope` argument of `DecoderLayer` and `rope_`."""
     half = cos.shape[-1] // 2
     signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
     return cos[:, :, None], signed[:, :, None]
 
 
-def _rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
     """x <- x*cos + rotate_half(x)*sin for x [B, T, H, D], rotate_half being a swap of the two halves."""
     swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # flip copies, so x can be updated in place
     x.mul_(cos).addcmul_(swapped, signed_sin)

@@ -12,6 +12,7 @@ import torch
 from medusa.decoding.engine import Engine, Stats, StepOutput, StepPolicy
 from medusa.decoding.proposers import Proposer
 from medusa.decoding.sampling import SamplingParams
+from medusa.decoding.transformer import cache_capacity
 
 
 @dataclass
@@ -59,7 +60,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], batch: int, max_new: in
     run = RunResult([], 0.0, [], 0)
     extra = policy.max_tree_size if policy is not None else proposer.tree.size if proposer is not None else 1
     for start, chunk in chunks(prompts, batch):
-        b = engine.new_batch(len(chunk), max(len(p) for p in chunk) + max_new + extra + 1, max_new)
+        b = engine.new_batch(len(chunk), cache_capacity(max(len(p) for p in chunk), max_new, extra), max_new)
         t0 = time.perf_counter()
         for source in (proposer, policy):
             if hasattr(source, "attach"):

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from medusa.decoding.engine import Batch, Engine, StepOutput
+from medusa.decoding.transformer import cache_capacity
 from medusa.serve.admission import Admission
 from medusa.serve.detokenize import visible_text
 from medusa.serve.metrics import Metrics
@@ -48,7 +49,7 @@ class Scheduler(Admission):
         self.max_queue, self.queue_timeout_s = max_queue, queue_timeout_s
         self.prefill_budget = prefill_tokens_per_step
         # Room past the longest request for the candidate block of one verification pass.
-        self.capacity = max_context + max_proposal_tokens + 2
+        self.capacity = cache_capacity(max_context, 1, max_proposal_tokens)
         self.queue: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.cond = threading.Condition()

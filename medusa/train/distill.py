@@ -19,6 +19,7 @@ from collections import deque
 from pathlib import Path
 
 from medusa.decoding.chat import chat_ids
+from medusa.decoding.transformer import cache_capacity
 from medusa.errors import MedusaError
 from medusa.io import atomic_dir, cache_dir, write_json_atomic
 
@@ -58,7 +59,7 @@ def select_prompts(cfg: TrainConfig, tokenizer) -> list[tuple[str, list[int]]]:
 def answer_all(engine, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
                progress=None) -> list:
     """Greedy answers for every prompt, with a continuously refilled batch. Returns Finished per prompt."""
-    capacity = max(len(p) for p in prompts) + max_new_tokens + 2
+    capacity = cache_capacity(max(len(p) for p in prompts), max_new_tokens)
     batch = engine.new_batch(min(batch_size, len(prompts)), capacity, max_new_tokens)
     queue = deque(range(len(prompts)))
     results = {}

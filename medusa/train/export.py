@@ -157,7 +157,8 @@ def measure(heads_dir: Path) -> Measure | None:
 def _check_heads(src: Path | str) -> Path:
     """The heads' directory (`default`: the shipped heads; a hub id is fetched first); refuses one without
     (valid) heads."""
-    from medusa.decoding.heads import MedusaHeads, resolve_heads_dir
+    from medusa.decoding.head_formats import resolve_heads_dir
+    from medusa.decoding.heads import MedusaHeads
 
     src = shipped_dir() if str(src) == "default" else resolve_heads_dir(src)
     from medusa.decoding.feature_heads import read_kind
