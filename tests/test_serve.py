@@ -16,7 +16,6 @@ from typing import Iterator
 import httpx
 import openai
 import pytest
-import torch
 
 from conftest import random_heads, tiny_model
 from medusa.serve.app import create_app

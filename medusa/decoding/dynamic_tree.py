@@ -223,7 +223,6 @@ class MedusaDynamicProposer:
         self.heads, self.projection = heads, projection
         self.nodes, self.depth, self.topk = nodes, depth, topk
         self.tree = stand_in_tree(nodes, depth, f"dynamic-{nodes}x{depth}")
-        self._proj: torch.nn.Module | None = None
 
     def _log_probs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each head's top-k (log-prob [D, n, k], token id [D, n, k]) over its candidate vocabulary."""
@@ -232,14 +231,7 @@ class MedusaDynamicProposer:
         if ids is None:
             logits = heads(hidden, self.projection, d)
         else:
-            if self._proj is None:
-                from medusa.decoding.transformer import packed_linear
-
-                w = heads.base_lm_head.weight.detach()[ids]
-                lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
-                lin.weight.data.copy_(w)
-                self._proj = packed_linear(lin.requires_grad_(False))
-            logits = self._proj(torch.stack([block(hidden) for block in heads.blocks[:d]]))
+            logits = heads.candidate_projection()(torch.stack([block(hidden) for block in heads.blocks[:d]]))
         top = torch.log_softmax(logits.float(), -1).topk(self.topk, -1)
         tok = top.indices if ids is None else ids[top.indices]
         return top.values, tok

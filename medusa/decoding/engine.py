@@ -17,7 +17,7 @@ import torch
 from medusa.errors import MedusaError
 from medusa.decoding.proposers import Proposer
 from medusa.decoding.sampling import GREEDY, RowSampling, SamplingParams, argmax, sample_from
-from medusa.decoding.transformer import Transformer
+from medusa.decoding.transformer import Transformer, cache_capacity
 from medusa.decoding.tree import ROOT_ONLY
 from medusa.decoding.verifier import Candidates, GreedyVerifier, SamplingVerifier, Verdict
 
@@ -354,7 +354,7 @@ class Engine:
         if not prompts:
             raise MedusaError("no prompts given")
         extra = policy.max_tree_size if policy is not None else proposer.tree.size if proposer is not None else 1
-        capacity = max(len(p) for p in prompts) + max_new_tokens + extra + 1
+        capacity = cache_capacity(max(len(p) for p in prompts), max_new_tokens, extra)
         batch = self.new_batch(len(prompts), capacity, max_new_tokens)
         start = time.perf_counter()
         results: dict[Any, Finished] = {}

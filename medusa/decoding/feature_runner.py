@@ -12,13 +12,12 @@ import copy
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from medusa.decoding.feature_heads import FeatureHead
 from medusa.errors import MedusaError
-from medusa.decoding.transformer import (FP32_ATTENTION_ROWS, SHORT_BLOCK, DecoderLayer, KVCache, RMSNorm, Transformer,
-                                         attention, packed_linear, rope_, rope_tables, short_block_bias)
+from medusa.decoding.transformer import (SHORT_BLOCK, DecoderLayer, KVCache, RMSNorm, Transformer, attention_dtype,
+                                         cache_dtype, packed_linear, pass_mask, rope_tables, short_block_bias)
 
 class _HeadLayer(DecoderLayer):
     """`medusa.decoding.transformer.DecoderLayer` (fused, packed projections, the shared attention) with the head's
@@ -29,19 +28,8 @@ class _HeadLayer(DecoderLayer):
         self.hnorm = RMSNorm(head.hidden_norm) if head.hidden_norm is not None else None
 
     def forward(self, emb, x, rope, kv, row_idx, slots, mask, bias):  # noqa: D401 (same contract as DecoderLayer)
-        b, t, _ = x.shape
-        d, nq, nkv = self.head_dim, self.nq, self.nkv
         a_in = x if self.hnorm is None else torch.cat([self.ln1.forward(emb), self.hnorm.forward(x)], -1)
-        qkv = self.wqkv.forward(a_in).view(b, t, nq + 2 * nkv, d)
-        if self.q_norm is not None:
-            qkv[:, :, :nq] = self.q_norm.forward(qkv[:, :, :nq])
-            qkv[:, :, nq: nq + nkv] = self.k_norm.forward(qkv[:, :, nq: nq + nkv])
-        rope_(qkv[:, :, : nq + nkv], *rope)
-        kv[:, row_idx, :, slots] = qkv[:, :, nq:].unflatten(2, (2, nkv)).to(kv.dtype)
-        o = attention(qkv[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
-        x = self.wo.plus(o, x)
-        gate, up = self.w13.forward(self.ln2.forward(x)).chunk(2, dim=-1)
-        return self.w2.plus(F.silu(gate) * up, x)
+        return self.block(a_in, x, rope, kv, row_idx, slots, mask, bias)
 
 
 class HeadRunner(nn.Module):
@@ -80,7 +68,7 @@ class HeadRunner(nn.Module):
         return self.draft_ids.device
 
     def new_cache(self, rows: int, capacity: int) -> KVCache:
-        kv_dtype = torch.float32 if self.device.type == "cpu" and rows <= FP32_ATTENTION_ROWS else self.dtype
+        kv_dtype = cache_dtype(self.device.type, self.dtype, rows)
         return KVCache(1, rows, self.n_kv, capacity, self.head_dim, kv_dtype, self.device)
 
     def inputs(self, tokens: torch.Tensor, feats: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,15 +92,11 @@ class HeadRunner(nn.Module):
         window = int(hl.max()) + span
         if window > cache.capacity:
             raise MedusaError(f"feature head cache of {cache.capacity} entries is too small for {window}")
-        rel = torch.arange(window, device=x.device)[None, :] - hl[:, None]
-        part = torch.gather(visible, 2, rel.clamp(0, span - 1)[:, None, :].expand(b, t, window))
-        in_span = (rel >= 0) & (rel < span)
-        mask = ((rel < 0)[:, None, :] | (in_span[:, None, :] & part))[:, None]
+        mask = pass_mask(hl, visible, window)
         bias = None
         if t <= SHORT_BLOCK:
-            fp32 = cache.data.dtype == torch.float32 or (x.device.type == "cpu" and b * t <= FP32_ATTENTION_ROWS)
             bias = short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv,
-                                    torch.float32 if fp32 else self.dtype)
+                                    attention_dtype(x.device.type, self.dtype, cache.data.dtype, b * t))
         slots = hl[:, None] + used + torch.arange(t, device=x.device)
         rope = rope_tables(*self.rotary(x, positions))
         kv = cache.data[0, :, rows, :, :window]
