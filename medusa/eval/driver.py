@@ -9,7 +9,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from medusa.decoding.engine import Engine, Stats, StepOutput, StepPolicy
+from medusa.decoding.engine import Engine, StepPolicy
+from medusa.decoding.outputs import Stats
 from medusa.decoding.proposers import Proposer
 from medusa.decoding.sampling import SamplingParams
 from medusa.decoding.transformer import cache_capacity
@@ -71,7 +72,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], batch: int, max_new: in
         for f in done:
             finish[f.id] = time.perf_counter() - t0
         while b.n:
-            for f in _step(engine, b, proposer, policy).finished:
+            for f in engine.policy_step(b, proposer, policy).finished:
                 done.append(f)
                 finish[f.id] = time.perf_counter() - t0  # since its own batch started
         sync(engine.model.device)
@@ -82,16 +83,6 @@ def run_engine(engine: Engine, prompts: list[list[int]], batch: int, max_new: in
     run.outputs, run.request_seconds = [outputs[i] for i in order], [finish[i] for i in order]
     run.new_tokens = sum(len(o) for o in run.outputs)
     return run
-
-
-def _step(engine: Engine, b, proposer: Proposer | None, policy: StepPolicy | None) -> StepOutput:
-    if policy is None:
-        return engine.step(b, proposer)
-    rows, chosen = b.n, policy.choose(b.n)
-    t0 = time.perf_counter()
-    out = engine.step(b, chosen)  # reading the accepted counts below waits for the device
-    policy.observe(rows, chosen is not None, float(out.counts.float().mean()), time.perf_counter() - t0)
-    return out
 
 
 def _merge(run: RunResult, stats: Stats) -> None:

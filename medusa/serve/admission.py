@@ -9,7 +9,8 @@ import threading
 import time
 from collections import deque
 
-from medusa.decoding.engine import Batch, Engine, StepOutput
+from medusa.decoding.engine import Batch, Engine
+from medusa.decoding.outputs import StepOutput
 from medusa.errors import MedusaError
 from medusa.serve.metrics import Metrics
 from medusa.serve.request import Overloaded, Request

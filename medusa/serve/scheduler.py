@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from medusa.decoding.engine import Batch, Engine, StepOutput
+from medusa.decoding.engine import Batch, Engine
+from medusa.decoding.outputs import StepOutput
 from medusa.decoding.transformer import cache_capacity
 from medusa.serve.admission import Admission
 from medusa.serve.detokenize import visible_text
