@@ -92,6 +92,26 @@ def test_predictions_and_crossover():
     assert out["best_tree"]["1"] == "tree-16" and out["best_tree"][str(sizes[-1])] == "tree-8"
 
 
+def test_feature_head_prediction_and_crossover():
+    """A feature head's dynamic tree of 4 nodes, depth 2: one catch-up pass, one expansion, a 5-token
+    verification. Hand-worked at B = 1 and 64; predicted beside Medusa, never the server's recommendation."""
+    model, sizes = synthetic_model()
+    model["acceptance"]["feature"] = {"tau": 1.9, "nodes": 4, "depth": 2}
+    model["latency_ms"]["feature_draft"] = {str(b): {"catch_up": 2.0 + 0.1 * b, "expand": 1.0 + 0.1 * b}
+                                            for b in sizes}
+    out = predict(model, sizes)
+    t1, t5 = 40.0 + 0.1 + 0.6, 40.0 + 0.1 + 0.6 * 5
+    assert out["predicted"]["1"]["feature"] == pytest.approx(1.9 * t1 / (t5 + 2.1 + 1.1))
+    t1, t5 = 40.0 + 6.4 + 0.6 * 64, 40.0 + 6.4 + 0.6 * 64 * 5
+    assert out["predicted"]["64"]["feature"] == pytest.approx(1.9 * t1 / (t5 + 8.4 + 7.4))
+    cross = out["crossover"]["feature"]
+    assert cross is not None and out["predicted"][str(cross)]["feature"] <= 1.0
+    assert all(out["predicted"][str(b)]["feature"] > 1.0 for b in sizes if b < cross)
+    assert set(out["recommendation"].values()) <= {"medusa", "draft", "plain"}
+    del model["latency_ms"]["feature_draft"]
+    assert "feature" not in predict(model, sizes)["predicted"]["1"]
+
+
 def test_crossover_helper():
     assert crossover({1: 1.8, 4: 1.2, 8: 0.9, 16: 1.1}) == 8
     assert crossover({1: 1.5, 2: 1.01}) is None

@@ -1,12 +1,13 @@
 """The cost model of an evaluation: the target's latency curve from the machine's calibration, the
-draft's and the heads' timed here, acceptance from the runs; predictions, then the measured speedups
+draft's, the heads' and a feature head's draft passes timed here, acceptance from the runs; predictions, then the measured speedups
 where there are some."""
 
 from __future__ import annotations
 
+from medusa.decoding.feature_runner import draft_pass_ms
 from medusa.decoding.tree import load_tree
 from medusa.eval.config import EvalConfig
-from medusa.eval.costmodel import alpha_from_acceptance, pays, predict
+from medusa.eval.costmodel import RECOMMENDABLE, alpha_from_acceptance, pays, predict
 from medusa.eval.methods import Methods
 from medusa.runtime.calibrate import load_or_measure
 from medusa.runtime.timing import Latency, measure_forward, measure_heads
@@ -38,6 +39,10 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
                                                                cfg.batch_sizes, topk, rt.model.dtype,
                                                                rt.model.device, cm.repeats,
                                                                rt.model.lm_head).items()}
+    feature_spec = next((m for m in cfg.methods if m.method == "feature"), None)
+    if feature_spec is not None and acc["feature"]:
+        lat["feature_draft"] = feature_drafting(methods.proposer(feature_spec), acc["feature"], cfg.batch_sizes,
+                                                cm.prefix, cm.repeats)
     bar.close()
     model = {"model": getattr(rt.hf_model, "name_or_path", cfg.model), "device": str(rt.model.device),
              "dtype": rt.dtype.name, "prefix_tokens": cm.prefix, "latency_ms": lat,
@@ -46,9 +51,19 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
     return apply_measurements(predict(model, cfg.batch_sizes), results)
 
 
+def feature_drafting(proposer, acc: dict, batch_sizes: list[int], prefix: int, repeats: int) -> dict:
+    """A feature head's draft cost per batch size: one catch-up pass (the root and the token before it) and
+    one expansion pass over the frontier. Records the tree shape it drafts in `acc`."""
+    shape = proposer.shape
+    acc.update(nodes=shape.nodes, depth=shape.depth, topk=shape.topk)
+    return {str(b): {"catch_up": draft_pass_ms(proposer.runner, b, 2, prefix, repeats),
+                     "expand": draft_pass_ms(proposer.runner, b, shape.topk, prefix, repeats)} for b in batch_sizes}
+
+
 def acceptance(rt, results: list[dict], batch: int) -> dict:
-    """Acceptance at batch size `batch`: tau and tree size per Medusa tree, tau and alpha of the first draft."""
-    acc: dict = {"medusa": {}, "draft": None}
+    """Acceptance at batch size `batch`: tau and tree size per Medusa tree, tau and alpha of the first draft,
+    tau of the first feature method."""
+    acc: dict = {"medusa": {}, "draft": None, "feature": None}
     for r in results:
         if r["batch_size"] != batch or r["mean_accepted"] is None:
             continue
@@ -59,6 +74,8 @@ def acceptance(rt, results: list[dict], batch: int) -> dict:
         elif r["kind"] == "draft" and acc["draft"] is None:
             acc["draft"] = {"k": r["k"], "tau": r["mean_accepted"], "method": r["method"],
                             "alpha": alpha_from_acceptance(r["acceptance_by_head"])}
+        elif r["kind"] == "feature" and acc["feature"] is None:
+            acc["feature"] = {"tau": r["mean_accepted"], "method": r["method"]}
     return acc
 
 
@@ -69,7 +86,7 @@ def apply_measurements(model: dict, results: list[dict]) -> dict:
     in `predicted` / `predicted_recommendation`, and `recommendation_source` says which one decided."""
     best: dict[str, tuple[float, str, str | None]] = {}
     for r in results:
-        if r["kind"] in ("medusa", "draft") and r.get("speedup_vs_plain") is not None:
+        if r["kind"] in RECOMMENDABLE and r.get("speedup_vs_plain") is not None:
             b = str(r["batch_size"])
             if r["speedup_vs_plain"] > best.get(b, (0.0,))[0]:
                 best[b] = (r["speedup_vs_plain"], r["kind"], r.get("tree"))

@@ -26,6 +26,11 @@ from __future__ import annotations
 from medusa.errors import MedusaError
 from medusa.runtime.timing import Latency, heads_ms
 
+# The speculative methods the cost model predicts. The recommendation (which the server's policy reads)
+# chooses among RECOMMENDABLE only: the server speculates with the runtime's heads ("medusa") or a draft.
+SPECULATIVE = ("medusa", "feature", "draft")
+RECOMMENDABLE = ("medusa", "draft")
+
 # ---- analytic model ---------------------------------------------------------------------------------
 
 
@@ -81,6 +86,13 @@ def medusa_speedup(target: Latency, heads: dict[int, float], batch: int, tree_si
     return tau * target(batch, 1) / (target(batch, tree_size) + heads_ms(heads, batch))
 
 
+def feature_speedup(target: Latency, drafting: dict, batch: int, shape: dict, tau: float) -> float:
+    """A feature head's dynamic tree: a catch-up head pass, depth-1 expansions, then the target verifies
+    nodes+1 tokens. `drafting` = {"catch_up": ms, "expand": ms} timed at `batch` rows."""
+    draft_ms = drafting["catch_up"] + (shape["depth"] - 1) * drafting["expand"]
+    return tau * target(batch, 1) / (target(batch, shape["nodes"] + 1) + draft_ms)
+
+
 def draft_step_ms(target: Latency, draft: Latency, batch: int, k: int) -> float:
     return target(batch, k + 1) + draft(batch, 2) + (k - 1) * draft(batch, 1)
 
@@ -101,7 +113,9 @@ def predict(model: dict, batch_sizes: list[int]) -> dict:
     """Fill a cost-model dict's predictions from its latencies and acceptance.
 
     model["latency_ms"] = {"target": Latency dict, "draft": Latency dict?, "heads": {B: ms}?}
-    model["acceptance"] = {"medusa": {tree: {"tau", "tree_size"}}, "draft": {"k", "tau", "alpha"}}
+    model["acceptance"] = {"medusa": {tree: {"tau", "tree_size"}}, "draft": {"k", "tau", "alpha"},
+                           "feature": {"tau", "nodes", "depth"}?}
+    model["latency_ms"]["feature_draft"] = {B: {"catch_up", "expand"}}? (a feature head's draft passes)
     Adds "predicted", "analytic", "recommendation", "best_tree", "best_k" and "crossover".
     """
     lat = model["latency_ms"]
@@ -111,6 +125,7 @@ def predict(model: dict, batch_sizes: list[int]) -> dict:
     acc = model.get("acceptance", {})
     trees = acc.get("medusa") or {}
     dacc = acc.get("draft")
+    facc, fdraft = acc.get("feature"), lat.get("feature_draft") or {}
     predicted, analytic, rec, best_tree, best_ks = {}, {}, {}, {}, {}
     for b in batch_sizes:
         row: dict = {"plain": 1.0}
@@ -128,13 +143,17 @@ def predict(model: dict, batch_sizes: list[int]) -> dict:
             best_ks[str(b)] = max(by_k, key=by_k.get)
             c = draft(b, 1) / target(b, 1)
             analytic[str(b)] = {"c": c, "speedup": analytic_speedup(dacc["alpha"], dacc["k"], c)}
+        if facc and str(b) in fdraft:
+            row["feature"] = feature_speedup(target, fdraft[str(b)], b, facc, facc["tau"])
         predicted[str(b)] = row
-        choice = max(("medusa", "draft"), key=lambda m: row.get(m, 0.0))
+        choice = max(RECOMMENDABLE, key=lambda m: row.get(m, 0.0))
         rec[str(b)] = choice if pays(row.get(choice, 0.0)) else "plain"
     model.update(predicted=predicted, analytic=analytic, recommendation=rec, best_tree=best_tree,
-                 best_k=best_ks, crossover={
-                     "medusa": crossover({int(b): r["medusa"] for b, r in predicted.items() if "medusa" in r})
-                     if trees else None,
-                     "draft": crossover({int(b): r["draft"] for b, r in predicted.items() if "draft" in r})
-                     if draft is not None and dacc else None})
+                 best_k=best_ks, crossover={kind: _crossover_of(predicted, kind) for kind in SPECULATIVE})
     return model
+
+
+def _crossover_of(predicted: dict, kind: str) -> int | None:
+    """The crossover of one method's predictions (None where it was not predicted, or pays everywhere)."""
+    speedups = {int(b): r[kind] for b, r in predicted.items() if kind in r}
+    return crossover(speedups) if speedups else None

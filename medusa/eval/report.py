@@ -12,10 +12,12 @@ report.json
         first_divergence (for each differing output, the index of its first differing token); both null
         in a sampled run
     cost_model: latency_ms {target, draft: {grid [[B, T, ms]], fit {a_ms, b_ms_per_row, c_ms_per_token,
-        max_rel_error}}, heads {B: ms}}, acceptance, predicted {B: {plain, medusa, draft, ...}},
-        analytic {B: {c, speedup}}, recommendation {B: medusa|draft|plain}, best_tree {B: name},
-        best_k {B: K}, crossover {medusa, draft}
-    crossover: {medusa: B|null, draft: B|null} predicted; measured_crossover: the same from the runs
+        max_rel_error}}, heads {B: ms}, feature_draft {B: {catch_up, expand}}}, acceptance,
+        predicted {B: {plain, medusa, feature, draft, ...}}, analytic {B: {c, speedup}},
+        recommendation {B: medusa|draft|plain}, best_tree {B: name}, best_k {B: K},
+        crossover {medusa, feature, draft}
+    crossover: {medusa: B|null, feature: B|null, draft: B|null} predicted; measured_crossover: the same
+        from the runs
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from medusa.eval.costmodel import SPECULATIVE
 from medusa.io import write_atomic, write_text_atomic
 
 REQUIRED_KEYS = ("model", "device", "dtype", "prompts", "max_new_tokens", "results", "cost_model", "crossover")
@@ -96,22 +99,23 @@ def markdown(report: dict) -> str:
                      f"{_mismatch(r)} |")
     cm = report.get("cost_model") or {}
     if cm.get("predicted"):
-        lines += ["", "## Cost model", "", _fit_line(cm), "",
-                  "| batch | predicted medusa | measured medusa | predicted draft | measured draft | "
-                  "analytic draft | best tree | best K | recommendation |",
-                  "|---:|---:|---:|---:|---:|---:|---|---:|---|"]
         measured = _best_measured(report["results"])
+        kinds = [k for k in SPECULATIVE if any(k in row for row in cm["predicted"].values())]
+        lines += ["", "## Cost model", "", _fit_line(cm), "",
+                  "| batch | " + " | ".join(f"predicted {k} | measured {k}" for k in kinds)
+                  + " | analytic draft | best tree | best K | recommendation |",
+                  "|---:|" + "---:|---:|" * len(kinds) + "---:|---|---:|---|"]
         for b, row in cm["predicted"].items():
-            bi = int(b)
-            lines.append(f"| {b} | {_f(row.get('medusa'))} | {_f(measured.get(('medusa', bi)))} | "
-                         f"{_f(row.get('draft'))} | {_f(measured.get(('draft', bi)))} | "
+            cells = [f"{_f(row.get(k))} | {_f(measured.get((k, int(b))))}" for k in kinds]
+            lines.append(f"| {b} | {' | '.join(cells)} | "
                          f"{_f((cm.get('analytic') or {}).get(b, {}).get('speedup'))} | "
                          f"{cm['best_tree'].get(b, '-')} | {cm['best_k'].get(b, '-')} | "
                          f"{cm['recommendation'][b]} |")
         mc = report.get("measured_crossover", {})
+        predicted_at = ", ".join(f"{k} {_f(report['crossover'].get(k))}" for k in kinds)
+        measured_at = ", ".join(f"{k} {_f(mc.get(k))}" for k in kinds)
         lines += ["", f"Crossover (smallest batch size where speculation stops paying): predicted "
-                  f"medusa {_f(report['crossover'].get('medusa'))}, draft {_f(report['crossover'].get('draft'))}; "
-                  f"measured medusa {_f(mc.get('medusa'))}, draft {_f(mc.get('draft'))} (`-`: pays at every "
+                  f"{predicted_at}; measured {measured_at} (`-`: pays at every "
                   f"size measured). The analytic column is S = E/(1 + K c) with c the draft/target decode-step "
                   f"cost ratio: it assumes a (K+1)-token verification pass costs one decoding step, which "
                   f"holds while a pass is bound by reading weights and fails once it is bound by compute."]
@@ -138,7 +142,7 @@ def _fit_line(cm: dict) -> str:
 def _best_measured(results: list[dict]) -> dict:
     best: dict = {}
     for r in results:
-        if r.get("kind") in ("medusa", "draft"):
+        if r.get("kind") in SPECULATIVE:
             key = (r["kind"], r["batch_size"])
             best[key] = max(best.get(key, 0.0), r["speedup_vs_plain"])
     return best
@@ -192,7 +196,7 @@ def plots(report: dict, out: Path) -> list[Path]:
         measured = _best_measured(results)
         fig, ax = plt.subplots(figsize=(7, 4.5))
         sizes = sorted(int(b) for b in cm["predicted"])
-        for kind, color in (("medusa", "C0"), ("draft", "C1")):
+        for kind, color in zip(SPECULATIVE, ("C0", "C2", "C1")):
             pred = [cm["predicted"][str(b)].get(kind) for b in sizes]
             if any(p is not None for p in pred):
                 ax.plot(sizes, pred, ls="--", marker="x", color=color, label=f"{kind} predicted")

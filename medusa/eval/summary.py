@@ -75,7 +75,7 @@ def summaries(runs: list[tuple[int, MethodSpec]], raw: dict[tuple[int, str], lis
 def measured_crossover(results: list[dict]) -> dict:
     """Per speculative method: the smallest batch size whose measured speedup is no longer above 1."""
     out: dict = {}
-    for kind in ("medusa", "draft", "lookup"):
+    for kind in ("medusa", "feature", "draft", "lookup"):
         best: dict[int, float] = {}
         for r in results:
             if r["kind"] == kind:
