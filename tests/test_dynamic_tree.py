@@ -133,3 +133,23 @@ def test_medusa_heads_with_dynamic_trees_match_plain(batch_size):
         spec = engine.generate(prompts, 24, MedusaDynamicProposer(heads, 10, 4, 3))
         assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
     assert sum(spec.stats.accept_hist[1:]) > 0
+
+
+def test_dynamic_tree_ranks_candidates_through_the_heads_own_projections():
+    """Heads with a projection each over a candidate vocabulary (vLLM's token_map layout) rank their
+    candidates through those projections in a dynamic tree exactly as the static proposer does."""
+    from conftest import random_heads, tiny_model
+    from medusa.decoding.dynamic_tree import MedusaDynamicProposer
+
+    model = tiny_model("llama", vocab=16)
+    heads = random_heads(model, own=True)
+    ids = torch.arange(0, 16, 2)
+    for k, full in enumerate(heads.lm_heads):  # each projection keeps only the candidates' rows
+        rows = torch.nn.Linear(full.weight.shape[1], len(ids), bias=False)
+        rows.weight.data.copy_(full.weight.data[ids])
+        heads.lm_heads[k] = rows
+    heads.candidate_ids, heads.config.candidates = ids, len(ids)
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        _, tokens = MedusaDynamicProposer(heads, 10, 4, 3)._log_probs(hidden)
+        assert torch.equal(tokens, heads.top_tokens(hidden, 3, 4))

@@ -56,14 +56,6 @@ class RowTrees:
     parent: torch.Tensor
     proposal: torch.Tensor | None = None
 
-    @property
-    def size(self) -> int:
-        return self.mask.shape[1]
-
-    @property
-    def max_depth(self) -> int:
-        return self.paths.shape[2] - 1
-
     def candidates(self, tokens: torch.Tensor) -> Candidates:
         """What the verifier reads, for tokens [n, T] (the roots, then `self.tokens`)."""
         return Candidates(tokens, self.paths, self.path_len, self.children, self.parent, self.proposal)
@@ -226,12 +218,8 @@ class MedusaDynamicProposer:
 
     def _log_probs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each head's top-k (log-prob [D, n, k], token id [D, n, k]) over its candidate vocabulary."""
-        heads, d = self.heads, self.depth
-        ids = heads.candidate_ids
-        if ids is None:
-            logits = heads(hidden, self.projection, d)
-        else:
-            logits = heads.candidate_projection()(torch.stack([block(hidden) for block in heads.blocks[:d]]))
+        ids = self.heads.candidate_ids
+        logits = self.heads.candidate_logits(hidden, self.depth, self.projection)
         top = torch.log_softmax(logits.float(), -1).topk(self.topk, -1)
         tok = top.indices if ids is None else ids[top.indices]
         return top.values, tok

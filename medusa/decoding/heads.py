@@ -141,13 +141,19 @@ class MedusaHeads(nn.Module):
     def top_tokens(self, hidden: torch.Tensor, k: int, num_heads: int,
                    projection: nn.Module | None = None) -> torch.Tensor:
         """Each head's k most likely next tokens: hidden [n, H] -> token ids [num_heads, n, k]."""
+        idx = self.candidate_logits(hidden, num_heads, projection).topk(k, dim=-1).indices
+        return idx if self.candidate_ids is None else self.candidate_ids[idx]
+
+    def candidate_logits(self, hidden: torch.Tensor, num_heads: int,
+                         projection: nn.Module | None = None) -> torch.Tensor:
+        """Each head's logits over what it can propose: the whole vocabulary, or (with candidate_ids) the
+        candidate rows, column i scoring candidate_ids[i]: [num_heads, n, V or C]."""
         if self.candidate_ids is None:
-            return self(hidden, projection, num_heads).topk(k, dim=-1).indices
-        if self.lm_heads is not None:
-            h = [self.lm_heads[i](block(hidden)) for i, block in enumerate(self.blocks[:num_heads])]
-            return self.candidate_ids[torch.stack(h).topk(k, dim=-1).indices]
-        h = torch.stack([block(hidden) for block in self.blocks[:num_heads]])
-        return self.candidate_ids[self.candidate_projection()(h).topk(k, dim=-1).indices]
+            return self(hidden, projection, num_heads)
+        blocks = self.blocks[:num_heads]
+        if self.lm_heads is not None:  # own projections already restricted to the candidates (vLLM token_map)
+            return torch.stack([self.lm_heads[i](block(hidden)) for i, block in enumerate(blocks)])
+        return self.candidate_projection()(torch.stack([block(hidden) for block in blocks]))
 
     def candidate_projection(self) -> nn.Module:
         """The shared base lm_head's rows of the candidate ids as one packed projection (row i scores
