@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from medusa.io import write_json_atomic
 from server_process import ServerProcess
 from soak_report import build_report, judge_mismatches, print_report
 from soak_requests import outcome_counts, run_load, solo_answers, wait_drained
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     greedy = judge_mismatches(args, warm.mismatches + tally.mismatches, solo)
     report = build_report(args, tally, warm, elapsed, health, rss_before, rss_after, metrics, log_tail, greedy)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json_atomic(args.out, report)
     print_report(report)
     return 0 if report["verdict"]["pass"] else 1
 

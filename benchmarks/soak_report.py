@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 from soak_requests import Tally
 
@@ -76,14 +74,9 @@ def judge_mismatches(args: argparse.Namespace, mismatches: list[dict], solo: dic
 
 
 def cpu_info() -> dict:
-    model, flags = platform.processor(), ""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        model = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
-        flags = next(line for line in text.splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        pass
-    return {"model": model, "avx512_bf16": "avx512_bf16" in flags.split(), "cores": os.cpu_count()}
+    from medusa.decoding.hardware import cpu_flags, cpu_name
+
+    return {"model": cpu_name(), "avx512_bf16": "avx512_bf16" in cpu_flags(), "cores": os.cpu_count()}
 
 
 def pct(values: list[float], q: float) -> float | None:

@@ -284,7 +284,8 @@ class Engine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, proposer: Proposer | None = None,
                  sampling: SamplingParams | list[SamplingParams] | None = None,
                  policy: "StepPolicy | None" = None) -> "Generation":
-        """Decode a fixed set of prompts to completion (the CLI's and the evaluator's entry point).
+        """Decode a fixed set of prompts to completion (the CLI's entry point; the evaluator drives
+        `add` / `policy_step` itself to time each request).
 
         With a `policy` (auto mode) the proposer is chosen per step for the current number of rows, and
         every step's tokens per row and duration are fed back to it."""

@@ -241,12 +241,3 @@ def _eagle_weights(d: Path) -> Path | None:
         if (d / name).exists():
             return d / name
     return None
-
-
-def load_feature_head(spec: str | Path, target: nn.Module) -> FeatureHead:
-    """A feature head for `target` from a directory (ours or an EAGLE layout) or `default` (shipped)."""
-    d = SHIPPED_FEATURE_DIR if str(spec) == "default" else Path(spec)
-    if not d.is_dir():
-        raise MedusaError(f"--heads: {d} is not a directory")
-    return FeatureHead.load(d, target)
-

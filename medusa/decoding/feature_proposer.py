@@ -163,9 +163,6 @@ class FeatureProposer:
         last = torch.zeros(n, self.head.config.hidden_size, dtype=self.runner.dtype, device=lens.device)
         return catch_up(state.cache, rows, lens, last, run)
 
-    def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.runner.logits(out).float(), dim=-1)
-
     def _full_probs(self, batch: "Batch", rows: slice, logits: torch.Tensor) -> torch.Tensor:
         """The row's sampling distribution over the full vocabulary from draft-vocabulary logits [n, Vd]."""
         full = torch.full((logits.shape[0], 1, self.head.config.vocab_size), NEG, device=logits.device)

@@ -26,14 +26,12 @@ class Stats:
         h = self.accept_hist
         return [sum(h[k + 1:]) / max(sum(h[k:]), 1) for k in range(len(h) - 1)]
 
-    def add_hist(self, accepted: torch.Tensor | list[int], width: int) -> None:
-        if not isinstance(accepted, torch.Tensor):  # values already read to the host
-            accepted = torch.tensor(accepted, dtype=torch.long)
-        counts = torch.bincount(accepted, minlength=width).tolist()
-        if len(self.accept_hist) < len(counts):
-            self.accept_hist += [0] * (len(counts) - len(self.accept_hist))
-        for a, c in enumerate(counts):
-            self.accept_hist[a] += c
+    def add_hist(self, accepted: list[int], width: int) -> None:
+        """Count one step's per-row accepted candidates (host values); the histogram spans `width`."""
+        need = max(width, max(accepted, default=-1) + 1)
+        self.accept_hist += [0] * (need - len(self.accept_hist))
+        for a in accepted:
+            self.accept_hist[a] += 1
 
 
 @dataclass

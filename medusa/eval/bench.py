@@ -8,7 +8,6 @@ fixed prefix, relative to a plain step of the same engine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -18,6 +17,7 @@ from medusa.decoding.hardware import DTYPE_CHOICES
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
 from medusa.prompts import load_prompts
 from medusa.decoding.tree import chain, load_tree
+from medusa.io import write_json_atomic
 from medusa.errors import MedusaError
 from medusa.eval.driver import run_engine, sync
 
@@ -155,6 +155,5 @@ def run(args: argparse.Namespace) -> int:
     print("  one target pass over a tree (ms, x plain step): " +
           ", ".join(f"{n}: {v:.1f} ({v / curve[1]:.2f}x)" for n, v in curve.items()))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+        write_json_atomic(args.json, res)
     return 0

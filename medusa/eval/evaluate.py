@@ -24,7 +24,7 @@ from medusa.eval.driver import RunResult, prompts_for_batch
 from medusa.eval.methods import Methods, planned_runs
 from medusa.eval.report import write_report
 from medusa.eval.summary import measured_crossover, summaries
-from medusa.io import write_text_atomic
+from medusa.io import read_json, write_text_atomic
 from medusa.prompts import load_prompts
 from medusa.runtime import Runtime
 
@@ -38,9 +38,7 @@ def evaluate(cfg: EvalConfig, out_dir: Path, progress: bool = True) -> dict:
 def finish_from_partial(cfg: EvalConfig, out_dir: Path, partial: Path, progress: bool = True) -> dict:
     """Write the report (cost model included) from the per-run summaries an interrupted evaluation left
     in partial.json: the runs it finished count, the rest are missing from the report."""
-    if not partial.is_file():
-        raise MedusaError(f"--from-partial: {partial} does not exist")
-    results = [r for r in json.loads(partial.read_text()) if r.get("speedup_vs_plain")]
+    results = [r for r in read_json(partial, "--from-partial") if r.get("speedup_vs_plain")]
     if not results:
         raise MedusaError(f"--from-partial: {partial} holds no finished run with a plain reference")
     with torch_threads(cfg.threads):

@@ -79,10 +79,6 @@ class Scheduler(Admission):
     def new_batch(self) -> Batch:
         return self.engine.new_batch(self.max_batch, self.capacity, self.max_context)
 
-    @property
-    def healthy(self) -> bool:
-        return self.fault is None
-
     # ---- the engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
@@ -177,6 +173,7 @@ class Scheduler(Admission):
         now = time.perf_counter()
         finished = {f.id: f.reason for f in out.finished}
         counts = out.counts.tolist()
+        tokens = out.tokens.tolist()  # one device read per step, not one per row
         lp = None
         if out.logprobs is not None:  # one conversion per step, only when some row asked
             lp = out.logprobs.token.tolist(), out.logprobs.top_ids.tolist(), out.logprobs.top.tolist()
@@ -187,7 +184,7 @@ class Scheduler(Admission):
             if req is None:
                 continue
             try:  # a try costs nothing until it catches: no per-row price on the hot path
-                new = out.tokens[i, : counts[i]].tolist()
+                new = tokens[i][: counts[i]]
                 if req.logprobs is not None and lp is not None:
                     keep_logprobs(req, new, lp, i)
                 if self._take(req, new, now, rid in finished):

@@ -8,6 +8,7 @@ slice of every micro-batch.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,12 +65,19 @@ class Batches:
         """The global batch of every micro-step of `step`."""
         cfg = self.cfg
         epoch, within = divmod(step, self.per_epoch)
-        order = torch.randperm(self.items, generator=torch.Generator().manual_seed(cfg.seed * 100003 + epoch))
+        order = epoch_order(cfg.seed, epoch, self.items)
         first = within * cfg.grad_accum
         return [order[(first + m) * cfg.batch_size: (first + m + 1) * cfg.batch_size] for m in range(cfg.grad_accum)]
 
     def batch(self, global_idx: list[torch.Tensor]) -> StepBatch:
         raise NotImplementedError
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(seed: int, epoch: int, items: int) -> torch.Tensor:
+    """The shuffled order of `items` for one epoch, the same on every rank and after a resume; drawn once
+    per epoch (a table can hold millions of positions), not once per step. Read-only."""
+    return torch.randperm(items, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
 
 
 class TableBatches(Batches):

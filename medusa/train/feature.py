@@ -34,6 +34,7 @@ from pydantic import Field
 from medusa.errors import MedusaError
 from medusa.io import atomic_dir, read_yaml, validate
 from medusa.train import checkpoint as ckpt
+from medusa.train.batches import epoch_order
 from medusa.train.config import OptimConfig, RunConfig, StrictConfig, WandbConfig, apply_overrides
 from medusa.train.data import load_examples, split_groups
 from medusa.train.dist import Dist
@@ -236,7 +237,7 @@ def _train(cfg: FeatureTrainConfig, head, feats: Features, full_to_draft: torch.
     wb = start_wandb(cfg, run_dir) if step < total else None
     while step < total and (cfg.max_train_tokens is None or trained < cfg.max_train_tokens):
         epoch, within = divmod(step, per_epoch)
-        order = torch.randperm(len(feats), generator=torch.Generator().manual_seed(cfg.seed * 100003 + epoch))
+        order = epoch_order(cfg.seed, epoch, len(feats))
         pick = order[within * cfg.batch_size: (within + 1) * cfg.batch_size].tolist()
         start = time.perf_counter()
         head.train()
