@@ -117,6 +117,46 @@ def test_prompt_features_kept_at_prefill(small):
     assert not calls
 
 
+def test_plain_steps_keep_features(small):
+    """Plain steps (a server under load) keep the features of what they commit: speculation that resumes
+    needs no second target pass, and the output still equals plain decoding."""
+    model, engine = small
+    proposer = FeatureProposer(random_head(model), engine.model, TreeShape(6, 3, 2))
+    batch = engine.new_batch(3, 96, MAX_NEW)
+    state = proposer.attach(batch)
+    prompts = mixed_prompts(3, vocab=V, seed=6)
+    engine.add(batch, [0, 1, 2], prompts, MAX_NEW)
+    for _ in range(4):
+        engine.step(batch, None)
+    assert state.feat_len[:3].tolist() == batch.cache.lens[:3].tolist()
+    calls = []
+    original = proposer._fill_features
+    proposer._fill_features = lambda *a: calls.append(1) or original(*a)
+    done = {}
+    while batch.n:
+        for f in engine.step(batch, proposer).finished:
+            done[f.id] = f.tokens
+    assert not calls
+    assert [done[i] for i in range(3)] == [hf_greedy(model, p, MAX_NEW) for p in prompts]
+
+
+def test_logprobs_equal_plain_decoding(small):
+    """Per-row trees with ragged acceptance report each emitted token's logprob and top-k as plain
+    decoding does (the logits of the accepted path's nodes)."""
+    from test_serve_openai import collect_logprobs
+
+    model, engine = small
+    prompts = mixed_prompts(5, vocab=V, seed=11)
+    plain, _ = collect_logprobs(engine, prompts, None, 3, MAX_NEW)
+    proposer = FeatureProposer(random_head(model), engine.model, TreeShape(8, 4, 3))
+    spec, stats = collect_logprobs(engine, prompts, proposer, 3, MAX_NEW)
+    assert sum(1 for c in stats.accept_hist[1:] if c) >= 2  # candidates were accepted, unevenly
+    for i in plain:
+        assert [t for t, *_ in spec[i]] == [t for t, *_ in plain[i]]
+        assert [ids for _, _, ids, _ in spec[i]] == [ids for _, _, ids, _ in plain[i]]
+        assert [lp for _, lp, _, _ in spec[i]] == pytest.approx([lp for _, lp, _, _ in plain[i]], abs=1e-5)
+
+
 def test_bad_shapes_are_clear_errors(small):
     model, engine = small
     head = random_head(model)

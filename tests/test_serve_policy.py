@@ -46,6 +46,16 @@ def test_tree_follows_batch_size():
         ["tree-64", "tree-64", "tree-16", "tree-16", "tree-8", "tree-8"]
 
 
+def test_trees_default_to_the_heads_own_unless_the_config_names_them():
+    feature = {1: "dynamic-16x5x4"}
+    p = SpeculationPolicy(PolicyConfig(mode="medusa"), True, False, default_trees=feature)
+    assert p.decide(1, 0).tree == "dynamic-16x5x4"
+    assert SpeculationPolicy(PolicyConfig(mode="medusa"), True, False).decide(1, 0).tree == "tree-8"
+    named = SpeculationPolicy(PolicyConfig(mode="medusa", trees={1: "dynamic-8x3"}), True, False,
+                              default_trees=feature)
+    assert named.decide(1, 0).tree == "dynamic-8x3"
+
+
 def test_acceptance_gate_pauses_and_retries_with_backoff():
     p = policy(window=4, min_tau=2.0, retry_after_steps=10)
     for _ in range(4):

@@ -13,7 +13,8 @@ number of nodes T, so the target pass stays one dense [B, T] block with a [B, T,
 sees only the root and itself, and is on no path and in no child list, so it can never be accepted.
 
 `Engine.step` asks proposers that build such trees (`proposer.owns_step`) for a step's `RowTrees` with
-`draft`, and tells them the verdict with `observe`.
+`draft`; per-row state that must follow what each step commits (a feature head's features) sits in
+`batch.aux` and hears of every step, speculative or not (`committed`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from medusa.decoding.tree import Tree
-from medusa.decoding.verifier import Candidates, Verdict
+from medusa.decoding.verifier import Candidates
 
 if TYPE_CHECKING:
     from medusa.decoding.engine import Batch
@@ -137,9 +138,6 @@ class TreeProposer(Protocol):
 
     def draft(self, batch: "Batch") -> RowTrees: ...
 
-    def observe(self, batch: "Batch", hidden: torch.Tensor, tokens: torch.Tensor, verdict: Verdict) -> None: ...
-
-
 def stand_in_tree(nodes: int, depth: int, name: str) -> Tree:
     """A static tree with `nodes` nodes and depth `depth`: what the engine reads for cache sizing and
     statistics when the real trees are built per step."""
@@ -239,6 +237,3 @@ class MedusaDynamicProposer:
             best = scores.topk(k, -1).indices
             front_pool, front_score = start + best, scores.gather(1, best)
         return pool.trees(self.nodes, self.depth)
-
-    def observe(self, batch: "Batch", hidden: torch.Tensor, tokens: torch.Tensor, verdict: Verdict) -> None:
-        """Nothing to keep: Medusa heads read only the root's hidden state, which the step stores."""

@@ -200,8 +200,9 @@ class Engine:
             verdict = self.sampler.verify(batch.sampling.probs(logits, rows), cand, batch.sampling, rows)
         else:
             verdict = self.verifier.verify(logits, cand)
-        if per_row:
-            proposer.observe(batch, hidden, tokens, verdict)
+        for state in list(batch.aux.values()):
+            if hasattr(state, "committed"):  # per-row state that keeps the target's features (feature heads)
+                state.committed(batch.cache.lens[rows], hidden, tokens, verdict)
         new = self._commit(batch, rows, tokens, hidden, verdict)
         lp = None
         if batch.logprobs:  # the logits that decided each emitted token: those of the nodes on its path

@@ -19,7 +19,6 @@ from medusa.decoding.ragged import aux_state, catch_up, causal, common_prefix, c
 from medusa.decoding.sampling import MODE_REJECTION, sample_from
 from medusa.decoding.transformer import Transformer
 from medusa.decoding.tree import build_tree, expected_tau
-from medusa.decoding.verifier import Verdict
 from medusa.errors import MedusaError
 
 if TYPE_CHECKING:
@@ -100,20 +99,6 @@ class FeatureProposer:
         if sampled is not None and not bool(sampled.any()):
             sampled = None
         return self._grow(batch, state, rows, lens, last, sampled)
-
-    def observe(self, batch: "Batch", hidden: torch.Tensor, tokens: torch.Tensor, verdict: Verdict) -> None:
-        """Keep the true features of the positions this step commits (the accepted path, root first)."""
-        state: FeatureState = batch.aux[AUX_KEY]
-        n = hidden.shape[0]
-        rows = torch.arange(n, device=hidden.device)[:, None]
-        lens = batch.cache.lens[:n]
-        j = torch.arange(verdict.path.shape[1], device=hidden.device)
-        keep = j[None, :] <= verdict.accepted[:, None]
-        pos = (lens[:, None] + j).clamp(max=state.feats.shape[1] - 1)
-        feats = state.features(hidden)[rows, verdict.path].to(state.feats.dtype)
-        state.feats[rows, pos] = torch.where(keep[:, :, None], feats, state.feats[rows, pos])
-        state.seq[rows, pos] = torch.where(keep, tokens.gather(1, verdict.path), state.seq[rows, pos])
-        state.feat_len[:n] = torch.where(state.feat_len[:n] >= lens, lens + verdict.accepted + 1, state.feat_len[:n])
 
     # ---- pieces ---------------------------------------------------------------------------------
     def _fill_features(self, batch: "Batch", state: FeatureState, ctx: torch.Tensor, lens: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from medusa.decoding.feature_heads import FeatureHead
 from medusa.errors import MedusaError
 from medusa.decoding.transformer import (SHORT_BLOCK, DecoderLayer, KVCache, RMSNorm, Transformer, attention_dtype,
                                          cache_dtype, packed_linear, pass_mask, rope_tables, short_block_bias)
+
+if TYPE_CHECKING:
+    from medusa.decoding.verifier import Verdict
 
 class _HeadLayer(DecoderLayer):
     """`medusa.decoding.transformer.DecoderLayer` (fused, packed projections, the shared attention) with the head's
@@ -171,6 +175,21 @@ class FeatureState:
         self.feats[rows, :t] = self.features(hidden).to(self.feats.dtype)
         self.feat_len[rows] = lengths
         self.cache.lens[rows] = 0
+
+    def committed(self, lens: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, verdict: "Verdict") -> None:
+        """An engine step over rows [0, n) at lengths `lens` [n] (speculative or plain, any proposer): keep
+        the true features of the positions it commits (the accepted path, root first), so speculation that
+        resumes after plain steps needs no second target pass. Rows whose features already lag keep lagging
+        (the proposer refills them)."""
+        n = hidden.shape[0]
+        rows = torch.arange(n, device=hidden.device)[:, None]
+        j = torch.arange(verdict.path.shape[1], device=hidden.device)
+        keep = j[None, :] <= verdict.accepted[:, None]
+        pos = (lens[:, None] + j).clamp(max=self.feats.shape[1] - 1)
+        feats = self.features(hidden)[rows, verdict.path].to(self.feats.dtype)
+        self.feats[rows, pos] = torch.where(keep[:, :, None], feats, self.feats[rows, pos])
+        self.seq[rows, pos] = torch.where(keep, tokens.gather(1, verdict.path), self.seq[rows, pos])
+        self.feat_len[:n] = torch.where(self.feat_len[:n] >= lens, lens + verdict.accepted + 1, self.feat_len[:n])
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head's input features of the target pass that just ran (its final hidden states `hidden`)."""

@@ -17,7 +17,8 @@ PolicyMode = Literal["dynamic", "medusa", "draft", "plain"]
 
 
 class PolicyConfig(BaseModel):
-    """How each engine step chooses between Medusa, draft-model and plain decoding."""
+    """How each engine step chooses between the runtime's heads ("medusa": Medusa or feature heads,
+    whichever `heads` names), a draft model and plain decoding."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -26,8 +27,10 @@ class PolicyConfig(BaseModel):
     # back on. The gap between them is the hysteresis that stops the mode flapping at one load level.
     high_watermark: int = Field(8, ge=1)
     low_watermark: int = Field(4, ge=0)
-    # Medusa tree per running batch size: the largest key <= batch size applies.
-    trees: dict[int, str] = Field(default_factory=lambda: {1: "tree-8"})
+    # The heads' tree per running batch size: the largest key <= batch size applies. Medusa heads take
+    # static trees (`tree-8`, `chain-K`, a path) or dynamic ones (`dynamic-N[xD[xK]]`), feature heads
+    # dynamic ones only. Unset: the calibrated plans, else tree-8 (Medusa) or dynamic-16x5x4 (feature).
+    trees: dict[int, str] | None = None
     # Acceptance gate (per batch-size bucket): mean tokens per row-step (tau) over the last `window`
     # speculative steps; below max(min_tau, measured spec/plain step-time ratio) speculation pauses for
     # `retry_after_steps` steps (doubling on repeated failure) and is then tried again.
@@ -47,7 +50,7 @@ class PolicyConfig(BaseModel):
         if self.low_watermark >= self.high_watermark:
             raise ValueError(f"low_watermark ({self.low_watermark}) must be below high_watermark "
                              f"({self.high_watermark})")
-        if not self.trees or min(self.trees) < 1:
+        if self.trees is not None and (not self.trees or min(self.trees) < 1):
             raise ValueError("trees needs at least one entry, keyed by batch sizes >= 1")
         return self
 

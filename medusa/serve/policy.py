@@ -1,4 +1,5 @@
-"""Dynamic speculation: per engine step, choose Medusa tree verification, draft-model chains or plain decoding.
+"""Dynamic speculation: per engine step, choose the heads' tree verification (Medusa or feature heads: mode
+"medusa"), draft-model chains or plain decoding.
 
 Speculation pays when the target pass is memory- or overhead-bound (small batches): checking a tree of
 candidates costs little more than one token. As the running batch grows the pass becomes compute-bound,
@@ -31,8 +32,9 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from medusa.io import read_json
+from medusa.decoding.tree import DEFAULT_TREE
 from medusa.errors import MedusaError
+from medusa.io import read_json
 from medusa.runtime.gate import AcceptanceGate, bucket
 
 if TYPE_CHECKING:
@@ -104,12 +106,15 @@ def _floor_lookup(table: dict[int, str], n: int) -> str:
 
 
 class SpeculationPolicy:
-    def __init__(self, cfg: PolicyConfig, has_medusa: bool, has_draft: bool, calibrated: CostModel | None = None):
-        """`calibrated`: the cost model of this machine's calibration, used when no cost_model file is set."""
+    def __init__(self, cfg: PolicyConfig, has_medusa: bool, has_draft: bool, calibrated: CostModel | None = None,
+                 default_trees: dict[int, str] | None = None):
+        """`has_medusa`: the runtime has heads of its own (Medusa or feature heads; mode "medusa" drafts with
+        them). `calibrated`: the cost model of this machine's calibration, used when no cost_model file is
+        set. `default_trees`: the heads' trees when the config names none."""
         self.cfg = cfg
         self.has = {"medusa": has_medusa, "draft": has_draft}
         self.high, self.low = cfg.high_watermark, cfg.low_watermark
-        self.trees = dict(cfg.trees)
+        self.trees = dict(cfg.trees or default_trees or {1: DEFAULT_TREE})
         self.kind_by_batch: dict[int, str] = {1: "medusa" if has_medusa else "draft"}
         if cfg.cost_model:
             self._apply_cost_model(CostModel.load(cfg.cost_model))

@@ -1,14 +1,14 @@
-"""What the server speculates with: the Medusa proposer of each tree the policy names, a draft model, and
-the dynamic policy's defaults calibrated on this machine."""
+"""What the server speculates with: a proposer of the runtime's heads for each tree the policy names (Medusa
+heads over static or dynamic trees, feature heads over dynamic trees), a draft model, and the dynamic
+policy's defaults calibrated on this machine."""
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 from medusa.decoding.proposers import Proposer
-from medusa.decoding.tree import Tree, load_tree
+from medusa.decoding.tree import DEFAULT_TREE, Tree, load_tree
 from medusa.errors import MedusaError
 from medusa.runtime import Runtime
 from medusa.runtime.gate import bucket
@@ -24,7 +24,7 @@ def calibrated_policy(cfg: ServeConfig, rt: Runtime, draft: Any) -> tuple[CostMo
     plans `--mode auto` makes), with the trees they name; nothing when a cost_model file decides, the
     policy is fixed, a draft is served, or the heads carry no eval.json to predict from."""
     pc = cfg.policy
-    if pc.mode != "dynamic" or pc.cost_model or not pc.calibrate or draft is not None or rt.heads is None:
+    if pc.mode != "dynamic" or pc.cost_model or not pc.calibrate or draft is not None or not has_heads(rt):
         return None, {}
     auto = rt.auto(cfg.max_batch)
     if auto is None or not auto.predicted:
@@ -35,20 +35,36 @@ def calibrated_policy(cfg: ServeConfig, rt: Runtime, draft: Any) -> tuple[CostMo
     return CostModel.from_plans(plans), {p.tree.name: p.tree for p in plans if p.tree is not None}
 
 
-def medusa_proposers(rt: Runtime, policy: SpeculationPolicy, planned: dict[str, Tree]) -> dict[str, Any]:
-    """A Medusa proposer per tree the policy names, built up front: a bad tree name or a heads/tree
-    mismatch fails at startup."""
-    if rt.heads is None:
+def has_heads(rt: Runtime) -> bool:
+    """Whether the runtime loaded heads of its own (Medusa or feature heads): the policy's "medusa" mode."""
+    return rt.heads is not None or rt.feature is not None
+
+
+def default_trees(rt: Runtime) -> dict[int, str]:
+    """The trees when neither the config nor a calibration names them: Medusa heads' default static tree,
+    or a middle-sized dynamic tree for feature heads (they grow dynamic trees only)."""
+    if rt.feature is not None:
+        from medusa.runtime.feature import DEFAULT_SHAPE
+
+        return {1: f"dynamic-{DEFAULT_SHAPE.nodes}x{DEFAULT_SHAPE.depth}x{DEFAULT_SHAPE.topk}"}
+    return {1: DEFAULT_TREE}
+
+
+def heads_proposers(rt: Runtime, policy: SpeculationPolicy, planned: dict[str, Tree]) -> dict[str, Any]:
+    """A proposer of the runtime's heads per tree the policy names, built up front: a bad tree name or a
+    heads/tree mismatch fails at startup, naming the config key."""
+    if not has_heads(rt):
         return {}
-    return {name: rt.proposer("medusa", planned.get(name) or tree_by_name(name, rt.heads.directory))
-            for name in sorted(set(policy.trees.values()))}
+    return {name: heads_proposer(rt, name, planned.get(name)) for name in sorted(set(policy.trees.values()))}
 
 
-def tree_by_name(name: str, heads_dir: Path | None = None) -> Tree:
-    """A tree the policy names (`tree-16`, `chain-K`, a path), read by the one tree parser; errors name the
-    config key."""
+def heads_proposer(rt: Runtime, name: str, planned: Tree | None = None) -> Any:
+    """The runtime's heads over tree `name`: dynamic trees (`dynamic-N[xD[xK]]`) by name, static trees as
+    calibration planned them or by the one tree parser."""
     try:
-        return load_tree(name, heads_dir=heads_dir)
+        if name.startswith("dynamic-") or rt.feature is not None:
+            return rt.proposer("medusa", name)
+        return rt.proposer("medusa", planned or load_tree(name, heads_dir=rt.heads.directory))
     except MedusaError as exc:
         raise MedusaError(f"policy.trees: {str(exc).removeprefix('--tree: ')}") from None
 

@@ -43,9 +43,10 @@ class Scheduler(Admission):
     def __init__(self, engine: Engine, tokenizer: Any, policy: SpeculationPolicy,
                  proposer_for: Callable[[Decision], Any], metrics: Metrics, *, max_batch: int,
                  max_context: int, max_queue: int, queue_timeout_s: float, prefill_tokens_per_step: int,
-                 max_proposal_tokens: int):
+                 max_proposal_tokens: int, attach: Callable[[Batch], None] | None = None):
         self.engine, self.tokenizer, self.policy = engine, tokenizer, policy
         self.proposer_for, self.metrics = proposer_for, metrics
+        self.attach = attach  # sets up a new batch's per-row proposer state before anything is prefilled
         self.max_batch, self.max_context = max_batch, max_context
         self.max_queue, self.queue_timeout_s = max_queue, queue_timeout_s
         self.prefill_budget = prefill_tokens_per_step
@@ -77,7 +78,10 @@ class Scheduler(Admission):
             self.thread.join(timeout=30)
 
     def new_batch(self) -> Batch:
-        return self.engine.new_batch(self.max_batch, self.capacity, self.max_context)
+        batch = self.engine.new_batch(self.max_batch, self.capacity, self.max_context)
+        if self.attach is not None:
+            self.attach(batch)
+        return batch
 
     # ---- the engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -121,9 +125,6 @@ class Scheduler(Admission):
         proposer = self.proposer_for(decision)
         if proposer is None and decision.mode != "plain":
             decision = Decision("plain", None, f"{decision.mode} unavailable")
-        if proposer is not None and self.batch.logprobs and getattr(proposer, "owns_step", False):
-            # Proposers that run their own step do not report log-probabilities; plain decoding does.
-            decision, proposer = Decision("plain", None, "log-probabilities asked for"), None
         return decision, proposer
 
     def _step(self, decision: Decision, proposer: Any) -> tuple[StepOutput, Decision, Any]:

@@ -14,7 +14,7 @@ from medusa.serve.config import ServeConfig
 from medusa.serve.errors import ApiError
 from medusa.serve.metrics import Metrics
 from medusa.serve.policy import Decision, SpeculationPolicy
-from medusa.serve.proposers import calibrated_policy, medusa_proposers
+from medusa.serve.proposers import calibrated_policy, default_trees, has_heads, heads_proposers
 from medusa.serve.protocol import ChatCompletionRequest, CompletionRequest
 from medusa.serve.request import Event, Overloaded, Request
 from medusa.serve.scheduler import Scheduler
@@ -37,17 +37,23 @@ class Server:
         self.api_key = cfg.api_key or os.environ.get("MEDUSA_API_KEY") or None
         self.metrics = Metrics()
         calibrated, planned = calibrated_policy(cfg, rt, draft)
-        self.policy = SpeculationPolicy(cfg.policy, has_medusa=rt.heads is not None, has_draft=draft is not None,
-                                        calibrated=calibrated)
-        self.medusa = medusa_proposers(rt, self.policy, planned)
+        self.policy = SpeculationPolicy(cfg.policy, has_medusa=has_heads(rt), has_draft=draft is not None,
+                                        calibrated=calibrated, default_trees=default_trees(rt))
+        self.medusa = heads_proposers(rt, self.policy, planned)
         self.draft = draft
         sizes = [p.tree.size for p in self.medusa.values()] + ([draft.tree.size] if draft is not None else [])
         self.scheduler = Scheduler(
             rt.engine, rt.tokenizer, self.policy, self.proposer_for, self.metrics,
             max_batch=cfg.max_batch, max_context=cfg.max_context, max_queue=cfg.max_queue,
             queue_timeout_s=cfg.queue_timeout_s, prefill_tokens_per_step=cfg.prefill_tokens_per_step,
-            max_proposal_tokens=max(sizes, default=1))
+            max_proposal_tokens=max(sizes, default=1), attach=self.attach)
 
+    def attach(self, batch: Any) -> None:
+        """Per-row proposer state a new batch needs before its first prefill (feature heads keep the
+        prompts' features then, and every step's after)."""
+        for proposer in [*self.medusa.values(), self.draft]:
+            if hasattr(proposer, "attach"):
+                proposer.attach(batch)
     def proposer_for(self, decision: Decision) -> Any:
         if decision.mode == "medusa":
             return self.medusa.get(decision.tree)
