@@ -60,6 +60,19 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos=None) -> list[i
     return tokens
 
 
+@pytest.fixture(scope="session", autouse=True)
+def calibrations_stay_in_the_session(tmp_path_factory):
+    """Tests calibrate tiny models saved under temporary paths: their pass-cost curves go to a directory
+    of the session's own, not into the user's cache (where nothing would ever read them again)."""
+    from medusa.runtime import calibrate
+
+    where = tmp_path_factory.mktemp("calibration")
+    original = calibrate.calibration_path
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(calibrate, "calibration_path", lambda key: where / original(key).name)
+        yield
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """The embedded SmolLM2 in fp32, loaded once per test session (converted once per machine)."""
