@@ -6,7 +6,7 @@ import pytest
 
 from medusa.decoding.chat import chat_ids
 from medusa.errors import MedusaError
-from medusa.serve.detokenize import safe_length, stop_at
+from medusa.serve.detokenize import IncrementalText, safe_length, stop_at, visible_text
 
 
 class Plain:
@@ -50,3 +50,54 @@ def test_stop_strings_and_the_text_held_back():
     assert safe_length("hello", ["xyz"], final=False) == 3  # a tail that may become "xyz"
     assert safe_length("ab\ufffd", [], final=False) == 2  # half a multi-byte character
     assert safe_length("ab\ufffd", ["xyz"], final=True) == 3
+
+
+TEXTS = ["Plain ASCII words, then numbers 12345 and   spaces.",
+         "Multi-byte: caf\u00e9, na\u00efve, \u4e2d\u6587\u5b57\u7b26, \u0440\u0443\u0441\u0441\u043a\u0438\u0439, emoji \U0001f600\U0001f680\U0001f9d1\u200d\U0001f680 end",
+         "Lines\n\n  indented\ttabs\r\n and a trailing space "]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_text_equals_decoding_everything(tokenizer, text):
+    """Fed 1-3 tokens at a time (with special tokens among them), the text so far is always a prefix of
+    decoding every token, never holds half a character, and ends equal to it."""
+    import random
+
+    ids = tokenizer(text)["input_ids"]
+    ids = ids[:5] + [tokenizer.eos_token_id] + ids[5:]  # skipped like any special token
+    full = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    rng = random.Random(len(text))
+    state, got, n = IncrementalText(), "", 0
+    while n < len(ids):
+        n = min(len(ids), n + rng.randint(1, 3))
+        got += state.extend(tokenizer, ids[:n], final=n == len(ids))
+        assert full.startswith(got) and "\ufffd" not in got
+    assert got == full
+
+
+def test_incremental_text_decodes_each_token_a_bounded_number_of_times(tokenizer):
+    """A long answer streamed a token per step costs decoding work linear in its length (re-decoding
+    the whole text each step would be quadratic: about n^2 / 2 tokens)."""
+    ids = tokenizer(" ".join(TEXTS) * 20)["input_ids"]
+    decoded = []
+
+    class Counting:
+        def decode(self, tokens, **kw):
+            decoded.append(len(tokens))
+            return tokenizer.decode(tokens, **kw)
+
+    state, text = IncrementalText(), ""
+    for n in range(1, len(ids) + 1):
+        text, _, _ = visible_text(Counting(), state, text, ids[:n], [], final=n == len(ids))
+    assert text == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert sum(decoded) < 8 * len(ids) < len(ids) ** 2 / 2
+
+
+def test_incremental_text_stops_at_a_stop_string_across_tokens(tokenizer):
+    ids = tokenizer("The answer is 42. END of story")["input_ids"]
+    state, text, hit = IncrementalText(), "", False
+    for n in range(1, len(ids) + 1):
+        text, safe, hit = visible_text(tokenizer, state, text, ids[:n], ["42. END"], final=False)
+        if hit:
+            break
+    assert hit and text == "The answer is " and safe == len(text)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from medusa.decoding.sampling import GREEDY, SamplingParams
+from medusa.serve.detokenize import IncrementalText
 
 # One emitted token's log-probability and the top alternatives [(token id, log-probability), ...].
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]
@@ -37,6 +38,7 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     tokens: list[int] = field(default_factory=list)
     text: str = ""
+    decoded: IncrementalText = field(default_factory=IncrementalText)  # how far `tokens` are in `text`
     sent: int = 0  # characters of `text` already sent
     first_token_at: float | None = None
     last_token_at: float | None = None

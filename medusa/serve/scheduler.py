@@ -230,7 +230,7 @@ class Scheduler(Admission):
 
     def _detokenize(self, req: Request, final: bool) -> bool:
         """Update the request's text, send what is safe to send; True when a stop string was hit."""
-        req.text, safe, hit = visible_text(self.tokenizer, req.tokens, req.stop, len(req.text), final)
+        req.text, safe, hit = visible_text(self.tokenizer, req.decoded, req.text, req.tokens, req.stop, final)
         if safe > req.sent:
             req.on_event(Event("delta", req.text[req.sent: safe], len(req.tokens), **req.take_unsent()))
             req.sent = safe
