@@ -321,7 +321,9 @@ def test_step_output_reports_accepted_candidates(setup):
     reference = {i: o.tokens for i, o in enumerate(engine.generate(prompts, MAX_NEW).outputs)}
     proposer = RightOrWrong(chain(3), reference, model.config.vocab_size, right={0})
     batch = engine.new_batch(2, max(map(len, prompts)) + MAX_NEW + 8, MAX_NEW)
-    assert engine.add(batch, [0, 1], prompts, MAX_NEW).accepted.tolist() == [0, 0]
+    first = engine.add(batch, [0, 1], prompts, MAX_NEW)
+    assert first.accepted.tolist() == first.accepted_list == [0, 0] and first.count_list == [1, 1]
     out = engine.step(batch, proposer)
     assert out.accepted.tolist() == [3, 0] and out.counts.tolist() == [4, 1]
+    assert out.accepted_list == [3, 0] and out.count_list == [4, 1]  # the same, read with the step
     assert out.tokens[0].tolist() == reference[0][1:5] and out.tokens[1, 0] == reference[1][1]

@@ -278,9 +278,10 @@ class Engine:
             finished = batch.remove([ids[r] for r in done])
             for f in finished:
                 f.reason = reason[f.id]
+        accepted_list = host[3] if accepted is not None else [0] * len(host[0])
         if accepted is None:
             accepted = torch.zeros_like(count)
-        return StepOutput(ids, new, count, finished, logprobs, accepted)
+        return StepOutput(ids, new, count, finished, logprobs, accepted, host[0], accepted_list)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, proposer: Proposer | None = None,
                  sampling: SamplingParams | list[SamplingParams] | None = None,
@@ -325,7 +326,7 @@ class Engine:
         rows = batch.n
         chosen = policy.choose(rows)
         start = time.perf_counter()
-        out = self.step(batch, chosen)  # reading the accepted counts below waits for the device
-        tau = float(out.counts.float().mean())
+        out = self.step(batch, chosen)  # its host counts were read once the device finished
+        tau = sum(out.count_list) / max(len(out.count_list), 1)
         policy.observe(rows, chosen is not None, tau, time.perf_counter() - start)
         return out

@@ -65,6 +65,10 @@ class StepOutput:
     logprobs: TokenLogprobs | None = None
     # [n] candidates the verifier accepted per row, before any EOS / max-token cut (0 after a prefill).
     accepted: torch.Tensor | None = None
+    # `counts` and `accepted` as host lists, read in the step's one wait for the device: callers that
+    # need the numbers (policies, the server's scheduler, progress bars) wait for nothing more.
+    count_list: list[int] = field(default_factory=list)
+    accepted_list: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -164,7 +164,7 @@ class Scheduler(Admission):
 
     def _acceptance(self, proposer: Any, out: StepOutput) -> float:
         """Tokens per row of the speculative step just taken (tau); updates the acceptance metrics."""
-        accepted = out.accepted.tolist()
+        accepted = out.accepted_list
         rows = max(len(accepted), 1)
         self.metrics.observe_drafts(accepted, proposer.tree.size - 1, proposer.tree.depth)
         return 1 + sum(accepted) / rows
@@ -173,7 +173,7 @@ class Scheduler(Admission):
     def _deliver(self, out: StepOutput) -> None:
         now = time.perf_counter()
         finished = {f.id: f.reason for f in out.finished}
-        counts = out.counts.tolist()
+        counts = out.count_list
         tokens = out.tokens.tolist()  # one device read per step, not one per row
         lp = None
         if out.logprobs is not None:  # one conversion per step, only when some row asked

@@ -76,7 +76,7 @@ def answer_all(engine, prompts: list[list[int]], max_new_tokens: int, batch_size
         for f in out.finished:
             results[f.id] = f
         if progress is not None:
-            progress.update(int(out.counts.sum()))
+            progress.update(sum(out.count_list))
         refill()
     return [results[i] for i in range(len(prompts))]
 
