@@ -157,6 +157,21 @@ def test_logprobs_equal_plain_decoding(small):
         assert [lp for _, lp, _, _ in spec[i]] == pytest.approx([lp for _, lp, _, _ in plain[i]], abs=1e-5)
 
 
+@pytest.mark.parametrize("style", ["eagle1", "eagle3"])
+def test_head_layer_can_start_as_a_target_layer(small, style):
+    model, _ = small
+    head = random_head(model, style).start_from_layer(-1)
+    source = model.model.layers[-1].state_dict()
+    h = model.config.hidden_size
+    for name, mine in head.layer.state_dict().items():
+        if mine.shape == source[name].shape:
+            assert torch.equal(mine, source[name]), name
+        else:  # eagle3's q/k/v over [emb, hidden]: the copy reads the hidden half
+            assert torch.equal(mine[:, h:], source[name]) and not mine[:, :h].any(), name
+    with pytest.raises(MedusaError, match="head.init_layer: 7"):
+        head.start_from_layer(7)
+
+
 def test_bad_shapes_are_clear_errors(small):
     model, engine = small
     head = random_head(model)
@@ -328,6 +343,19 @@ def _feature_config(root, model, data, run, **extra):
     path = root / f"{run.name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return load_feature_config(path)
+
+
+def test_data_limit_takes_the_first_distilled_prompts(tiny_run, tmp_path):
+    """`data.limit` keeps a run on the same prompts after more were distilled (16 here)."""
+    from medusa.train.data import load_examples
+
+    root, model, data = tiny_run
+    every = load_examples(_feature_config(root, model, data, tmp_path / "all"), None)
+    ten = _feature_config(root, model, data, tmp_path / "ten")
+    ten.data.limit = 10
+    first = load_examples(ten, None)
+    assert sum(len(g) for _, g in every) == 16
+    assert [len(g) for _, g in first] == [10] and first[0][1] == every[0][1][:10]
 
 
 def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path):

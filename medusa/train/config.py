@@ -22,7 +22,7 @@ class DataConfig(StrictConfig):
     # Prompt sources: "sharegpt", a local json/jsonl/parquet/txt file or a hub dataset id.
     # "mtbench" is refused: it is the evaluation set.
     sources: list[str] = Field(default_factory=lambda: ["sharegpt"], min_length=1)
-    limit: int | None = Field(default=None, gt=0)       # prompts to distil, over all sources
+    limit: int | None = Field(default=None, gt=0)       # prompts to distil / to train on, over all sources
     max_prompt_tokens: int = Field(default=256, gt=0)   # longer prompts are skipped, not cut
     max_new_tokens: int = Field(default=192, gt=0)      # length of each distilled answer
     distill_batch_size: int = Field(default=16, gt=0)

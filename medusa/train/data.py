@@ -180,11 +180,18 @@ def load_examples(cfg, tokenizer) -> list[tuple[str, list[dict]]]:
 
 
 def _distilled_groups(cfg) -> list[tuple[str, list[dict]]]:
+    """The distilled shards in order, the first `data.limit` prompts of them (all without a limit), so a
+    run trains on the same prompts after more were distilled."""
     from medusa.train.distill import distill_dir, load_shards
 
     groups = []
+    left = cfg.data.limit
     for name, ds in load_shards(distill_dir(cfg)):
-        exs = [example(p, r, cfg.data.max_seq_tokens) for p, r in zip(ds["prompt_ids"], ds["response_ids"])]
+        if left is not None and left <= 0:
+            break
+        pairs = list(zip(ds["prompt_ids"], ds["response_ids"]))[:left]
+        left = None if left is None else left - len(pairs)
+        exs = [example(p, r, cfg.data.max_seq_tokens) for p, r in pairs]
         groups.append((name, [e for e in exs if e is not None]))
     return groups
 
