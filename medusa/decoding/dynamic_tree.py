@@ -20,7 +20,7 @@ sees only the root and itself, and is on no path and in no child list, so it can
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -166,7 +166,10 @@ class Pool:
         self.depths.append(depth)
         return start
 
-    def trees(self, num_nodes: int, depth_bound: int, proposal: torch.Tensor | None = None) -> RowTrees:
+    def trees(self, num_nodes: int, depth_bound: int,
+              proposal: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> RowTrees:
+        """The `num_nodes` best entries per row as trees. `proposal(chosen, tokens)` ([n, N] pool indices
+        and their tokens -> [n, N, V]) gives the distribution each kept node was drawn from."""
         tok = torch.cat(self.tokens, 1)
         score = torch.cat(self.scores, 1)
         par = torch.cat(self.parents, 1)
@@ -174,10 +177,9 @@ class Pool:
         chosen, parent = select_nodes(score, par, dep, num_nodes)
         live = torch.cat([torch.ones_like(chosen[:, :1], dtype=torch.bool), score.gather(1, chosen) > NEG], 1)
         parent = torch.cat([torch.zeros_like(parent[:, :1]), parent], 1)
-        q = None
-        if proposal is not None:
-            q = proposal.gather(1, chosen[:, :, None].expand(-1, -1, proposal.shape[2]))
-        return row_trees(tok.gather(1, chosen), parent, live, depth_bound, q)
+        kept = tok.gather(1, chosen)
+        q = proposal(chosen, kept) if proposal is not None else None
+        return row_trees(kept, parent, live, depth_bound, q)
 
 
 def expand(logp: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,

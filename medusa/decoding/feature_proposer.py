@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from medusa.decoding.dynamic_tree import NEG, Pool, RowTrees, expand, select_nodes, stand_in_tree
+from medusa.decoding.dynamic_tree import NEG, Pool, RowTrees, expand, stand_in_tree
 from medusa.decoding.feature_heads import FeatureHead
 from medusa.decoding.feature_runner import FeatureState, HeadRunner, LayerTaps
 from medusa.decoding.ragged import aux_state, catch_up, causal, common_prefix, context
@@ -205,21 +205,16 @@ class FeatureProposer:
             front_in = out.gather(1, bslot[:, :, None].expand(n, k, out.shape[-1]))
             vis = block_vis.gather(1, bslot[:, :, None].expand(n, k, block_vis.shape[2]))
             used += k
-        proposal = None
-        trees = pool.trees(nodes, depth)
-        if sampled is not None:
-            proposal = self._proposal(trees, pool, nodes, chain_q, chain_pool, sampled)
-            trees.proposal = proposal
-        return trees
+        if sampled is None:
+            return pool.trees(nodes, depth)
+        return pool.trees(nodes, depth, lambda chosen, tokens: self._proposal(chosen, tokens, chain_q, chain_pool,
+                                                                               sampled))
 
-    def _proposal(self, trees: RowTrees, pool: Pool, nodes: int, chain_q: list, chain_pool: list,
+    def _proposal(self, chosen: torch.Tensor, tokens: torch.Tensor, chain_q: list, chain_pool: list,
                   sampled: torch.Tensor) -> torch.Tensor:
-        """q per node: the sampled chain's distributions on sampled rows, point masses elsewhere."""
-        score = torch.cat(pool.scores, 1)
-        par = torch.cat(pool.parents, 1)
-        dep = torch.cat([torch.full_like(t, d) for t, d in zip(pool.tokens, pool.depths)], 1)
-        chosen, _ = select_nodes(score, par, dep, nodes)
-        q = F.one_hot(trees.tokens, self.head.config.vocab_size).float()
+        """q per kept node (pool indices `chosen`, tokens `tokens` [n, N]): the sampled chain's
+        distributions on sampled rows, point masses elsewhere."""
+        q = F.one_hot(tokens, self.head.config.vocab_size).float()
         cp = torch.stack(chain_pool, 1)  # [n, D]
         match = (chosen[:, :, None] == cp[:, None, :]) & sampled[:, None, None]  # [n, N, D]
         cq = torch.stack(chain_q, 1)  # [n, D, V]
