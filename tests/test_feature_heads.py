@@ -157,21 +157,6 @@ def test_logprobs_equal_plain_decoding(small):
         assert [lp for _, lp, _, _ in spec[i]] == pytest.approx([lp for _, lp, _, _ in plain[i]], abs=1e-5)
 
 
-@pytest.mark.parametrize("style", ["eagle1", "eagle3"])
-def test_head_layer_can_start_as_a_target_layer(small, style):
-    model, _ = small
-    head = random_head(model, style).start_from_layer(-1)
-    source = model.model.layers[-1].state_dict()
-    h = model.config.hidden_size
-    for name, mine in head.layer.state_dict().items():
-        if mine.shape == source[name].shape:
-            assert torch.equal(mine, source[name]), name
-        else:  # eagle3's q/k/v over [emb, hidden]: the copy reads the hidden half
-            assert torch.equal(mine[:, h:], source[name]) and not mine[:, :h].any(), name
-    with pytest.raises(MedusaError, match="head.init_layer: 7"):
-        head.start_from_layer(7)
-
-
 def test_bad_shapes_are_clear_errors(small):
     model, engine = small
     head = random_head(model)

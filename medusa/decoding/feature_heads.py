@@ -137,25 +137,6 @@ class FeatureHead(nn.Module):
             self.layer.self_attn.o_proj.weight.mul_(0.1)
             self.layer.mlp.down_proj.weight.mul_(0.1)
 
-    def start_from_layer(self, index: int) -> "FeatureHead":
-        """Copy the bound target's decoder layer `index` (negative: from the end) into the head's layer, a
-        pretrained start in place of random weights. eagle3's q/k/v read [emb, hidden] (2h): the copy goes
-        to the hidden half, the embedding half starts at zero."""
-        layers = self._target[0].model.layers
-        if not -len(layers) <= index < len(layers):
-            raise MedusaError(f"head.init_layer: {index} is not a layer of the {len(layers)}-layer target")
-        h = self.config.hidden_size
-        own = self.layer.state_dict()
-        with torch.no_grad():
-            for name, weight in layers[index].state_dict().items():
-                mine = own[name]
-                if mine.shape == weight.shape:
-                    mine.copy_(weight.to(mine.dtype))
-                else:  # eagle3 q/k/v: [out, 2h] from [out, h]
-                    mine.zero_()
-                    mine[:, h:].copy_(weight.to(mine.dtype))
-        return self
-
     def bind(self, target: nn.Module) -> "FeatureHead":
         """Use `target`'s embeddings (and, unless the head has its own, its lm_head rows for draft_ids)."""
         c = self.config

@@ -48,9 +48,6 @@ class HeadSection(StrictConfig):
     style: Literal["eagle1", "eagle3"] = "eagle1"
     feature_layers: list[int] = Field(default_factory=list)
     draft_vocab: int = Field(default=8192, gt=0)       # the most frequent answer tokens (+ ids below 256)
-    # Start the decoder layer as a copy of this target layer (-1: the last) instead of small random
-    # weights around "the next feature is this one"; null: that random start.
-    init_layer: int | None = None
 
 
 class FeatureLoss(StrictConfig):
@@ -191,8 +188,6 @@ def _make_head(cfg: FeatureTrainConfig, hf, feats: Features):
                              base_model=str(getattr(hf, "name_or_path", cfg.model)))
     torch.manual_seed(cfg.seed)
     head = FeatureHead(hcfg, hf, ids).float()
-    if cfg.head.init_layer is not None:
-        head.start_from_layer(cfg.head.init_layer)
     full_to_draft = torch.full((hcfg.vocab_size,), -1, dtype=torch.long)
     full_to_draft[ids] = torch.arange(len(ids))
     return head, full_to_draft
