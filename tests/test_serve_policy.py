@@ -260,3 +260,13 @@ def test_calibrated_plans_set_watermarks_and_trees():
     assert p.decide(4, 0).mode == "plain"
     # A cost-model file, when given, decides instead.
     assert SpeculationPolicy(PolicyConfig(), True, False, calibrated=None).high == PolicyConfig().high_watermark
+
+
+def test_every_response_outcome_has_a_series_from_the_start():
+    from medusa.serve.errors import OUTCOMES, outcome_of
+    from medusa.serve.metrics import Metrics
+
+    labels = {outcome_of(s, c) for s in range(200, 600) for c in (None, "queue_timeout")}
+    assert labels == set(OUTCOMES)
+    text = Metrics().render().decode()
+    assert all(f'outcome="{o}"' in text for o in OUTCOMES)

@@ -138,6 +138,12 @@ class TreeProposer(Protocol):
 
     def draft(self, batch: "Batch") -> RowTrees: ...
 
+def pool_size(depth: int, topk: int) -> int:
+    """Nodes a dynamic draft generates to choose from: top-k at the first step, then the top-k children
+    of each of the k frontier nodes at every later one."""
+    return topk + (depth - 1) * topk * topk
+
+
 def stand_in_tree(nodes: int, depth: int, name: str) -> Tree:
     """A static tree with `nodes` nodes and depth `depth`: what the engine reads for cache sizing and
     statistics when the real trees are built per step."""
@@ -210,7 +216,7 @@ class MedusaDynamicProposer:
 
         if depth > heads.config.num_heads:
             raise MedusaError(f"a dynamic tree {depth} deep needs {depth} heads, these have {heads.config.num_heads}")
-        if nodes < depth or topk < 1 or topk + (depth - 1) * topk * topk < nodes:
+        if nodes < depth or topk < 1 or pool_size(depth, topk) < nodes:
             raise MedusaError(f"no dynamic tree of {nodes} nodes, depth {depth} and top-{topk}")
         self.heads, self.projection = heads, projection
         self.nodes, self.depth, self.topk = nodes, depth, topk

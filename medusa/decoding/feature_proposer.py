@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from medusa.decoding.dynamic_tree import NEG, Pool, RowTrees, expand, stand_in_tree
+from medusa.decoding.dynamic_tree import NEG, Pool, RowTrees, expand, pool_size, stand_in_tree
 from medusa.decoding.feature_heads import FeatureHead
 from medusa.decoding.feature_runner import FeatureState, HeadRunner, LayerTaps
 from medusa.decoding.ragged import aux_state, catch_up, causal, common_prefix, context
@@ -38,7 +38,7 @@ class TreeShape:
     def check(self) -> "TreeShape":
         if self.nodes < 1 or self.depth < 1 or self.topk < 1:
             raise MedusaError(f"dynamic tree needs nodes, depth and topk >= 1, got {self}")
-        if self.topk + (self.depth - 1) * self.topk ** 2 < self.nodes:
+        if pool_size(self.depth, self.topk) < self.nodes:
             raise MedusaError(f"a dynamic tree of depth {self.depth} and top-{self.topk} generates fewer than "
                               f"{self.nodes} nodes")
         if self.nodes < self.depth:
@@ -240,7 +240,7 @@ def shape_candidates(max_nodes: int = 64, max_depth: int = 8, topk: int = 4) -> 
     out = []
     for depth in range(1, max_depth + 1):
         for n in sizes:
-            if n <= max_nodes and n >= depth and topk + (depth - 1) * topk * topk >= n:
+            if n <= max_nodes and n >= depth and pool_size(depth, topk) >= n:
                 out.append(TreeShape(n, depth, min(topk, n)))
     return out
 

@@ -174,10 +174,10 @@ def bench_methods(rt: "Runtime", spec: str) -> dict[str, FeatureProposer]:
 
 def medusa_dynamic(rt: "Runtime", tree: str):
     """`--tree dynamic-N[xD[xK]]` with Medusa heads: a per-row dynamic tree (depth at most the heads')."""
-    from medusa.decoding.dynamic_tree import MedusaDynamicProposer
+    from medusa.decoding.dynamic_tree import MedusaDynamicProposer, pool_size
 
     shape = parse_shape(tree)
     depth = min(shape.depth, rt.heads.config.num_heads)
-    if shape.topk + (depth - 1) * shape.topk ** 2 < shape.nodes:
+    if pool_size(depth, shape.topk) < shape.nodes:
         raise MedusaError(f"--tree {tree}: {rt.heads.config.num_heads} heads cannot grow {shape.nodes} nodes")
     return MedusaDynamicProposer(rt.heads, shape.nodes, depth, shape.topk, projection=rt.model.lm_head)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from medusa.serve.errors import OUTCOMES
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 FAILURE_STAGES = ("prefill", "row", "proposer", "engine")
-OUTCOMES = ("ok", "cancelled", "bad_request", "unauthorized", "not_found", "method_not_allowed", "too_large",
-            "queue_full", "queue_timeout", "unavailable", "server_error")
 
 
 class Metrics:
@@ -21,7 +21,8 @@ class Metrics:
                                 registry=r)
         self.responses = Counter("medusa_responses", "HTTP requests by outcome: ok, cancelled, or the error "
                                  "kind (bad_request, unauthorized, not_found, method_not_allowed, too_large, "
-                                 "queue_full, queue_timeout, unavailable, server_error)", ["outcome"], registry=r)
+                                 "queue_full, queue_timeout, unavailable, server_error, client_error)", ["outcome"],
+                                 registry=r)
         self.failures = Counter("medusa_failures", "Internal failures by stage: prefill, row (tokens of one "
                                 "request), proposer (step redone without speculation), engine (batch failed)",
                                 ["stage"], registry=r)
