@@ -61,9 +61,45 @@ def sharegpt_prompts(limit: int | None = None) -> list[str]:
     return out
 
 
+def read_records(path: Path, what: str) -> list:
+    """The records of a local file: .txt (one a line), .json (a list, or one object), .jsonl or .parquet.
+    `what` names the file's role in errors (a flag or config key)."""
+    if path.suffix == ".parquet":
+        from datasets import load_dataset
+
+        return list(load_dataset("parquet", data_files=str(path), split="train"))
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+        return data if isinstance(data, list) else [data]
+    if path.suffix == ".txt":
+        return [line for line in path.read_text().splitlines() if line.strip()]
+    raise MedusaError(f"{what}: {path}: use .txt, .json, .jsonl or .parquet")
+
+
+def pair_of(item) -> tuple[str, str | None] | None:
+    """(prompt, reference answer or None) of a record: a string, a prompt/response row, MT-bench turns,
+    or a conversation (`conversations` with `value`, or `messages` with `content`); None otherwise."""
+    if isinstance(item, str):
+        return item, None
+    if not isinstance(item, dict):
+        return None
+    if "prompt" in item:
+        return item["prompt"], item.get("response") or item.get("answer")
+    if "turns" in item:
+        return item["turns"][0], None
+    conv = item.get("conversations") or item.get("messages")
+    if isinstance(conv, list) and conv and isinstance(conv[0], dict):
+        text = conv[0].get("value", conv[0].get("content", ""))
+        answer = conv[1].get("value", conv[1].get("content")) if len(conv) > 1 and isinstance(conv[1], dict) else None
+        return text, answer
+    return None
+
+
 def load_prompts(source: str, limit: int | None = None) -> list[str]:
-    """`mtbench`, `sharegpt`, or a local .txt (one prompt a line), .json/.jsonl (strings, or objects
-    with `prompt`, `turns` or `conversations`)."""
+    """`mtbench`, `sharegpt`, or a local .txt (one prompt a line), .json/.jsonl/.parquet (strings, or
+    records with `prompt`, `turns`, `conversations` or `messages`)."""
     if source == "mtbench":
         return mtbench_prompts(limit)
     if source == "sharegpt":
@@ -71,27 +107,11 @@ def load_prompts(source: str, limit: int | None = None) -> list[str]:
     path = Path(source)
     if not path.is_file():
         raise MedusaError(f"prompt source {source!r} is neither 'mtbench', 'sharegpt' nor a file")
-    if path.suffix == ".txt":
-        items = [line for line in path.read_text().splitlines() if line.strip()]
-    elif path.suffix == ".jsonl":
-        items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    elif path.suffix == ".json":
-        items = json.loads(path.read_text())
-    else:
-        raise MedusaError(f"prompt file {path}: use .txt, .json or .jsonl")
-    prompts = [_prompt_of(item, path) for item in items]
+    prompts = []
+    for item in read_records(path, "prompt file"):
+        pair = pair_of(item)
+        if pair is None or not isinstance(pair[0], str):
+            raise MedusaError(f"prompt file {path}: each item must be a string or have 'prompt', 'turns', "
+                              "'conversations' or 'messages'")
+        prompts.append(pair[0])
     return prompts[:limit]
-
-
-def _prompt_of(item, path: Path) -> str:
-    if isinstance(item, str):
-        return item
-    if isinstance(item, dict):
-        if "prompt" in item:
-            return item["prompt"]
-        if "turns" in item:
-            return item["turns"][0]
-        if "conversations" in item:
-            return item["conversations"][0]["value"]
-    raise MedusaError(f"prompt file {path}: each item must be a string or have 'prompt', 'turns' or "
-                      f"'conversations'")

@@ -54,7 +54,7 @@ class EvalConfig(BaseModel):
     heads: str = "default"
     dtype: str = "auto"               # auto (the machine's choice), bf16, fp16, fp32 (and their long names)
     device: str | None = None
-    prompts: str = "mtbench"          # mtbench, sharegpt or a local .txt/.json/.jsonl file
+    prompts: str = "mtbench"          # mtbench, sharegpt or a local .txt/.json/.jsonl/.parquet file
     raw_prompts: bool = False         # tokenise prompts as raw text (no chat template)
     max_prompts: int = Field(default=16, ge=1)
     max_new_tokens: int = Field(default=128, ge=1)

@@ -15,43 +15,7 @@ import torch
 
 from medusa.decoding.chat import chat_ids
 from medusa.errors import MedusaError
-from medusa.prompts import mtbench_prompts, sharegpt_conversations
-
-
-def _local_records(path: Path) -> list:
-    if path.suffix == ".parquet":
-        from datasets import load_dataset
-
-        return list(load_dataset("parquet", data_files=str(path), split="train"))
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if path.suffix == ".json":
-        data = json.loads(path.read_text())
-        return data if isinstance(data, list) else [data]
-    if path.suffix == ".txt":
-        return [line for line in path.read_text().splitlines() if line.strip()]
-    raise MedusaError(f"data.sources: {path}: use .json, .jsonl, .parquet or .txt")
-
-
-def _pair_of(item) -> tuple[str, str | None] | None:
-    """(prompt, reference answer or None) from a string, a prompt/response row, or a conversation."""
-    if isinstance(item, str):
-        return item, None
-    if not isinstance(item, dict):
-        return None
-    if "prompt" in item:
-        return item["prompt"], item.get("response") or item.get("answer")
-    if "turns" in item:
-        return item["turns"][0], None
-    conv = item.get("conversations") or item.get("messages")
-    if isinstance(conv, list) and conv:
-        first = conv[0]
-        text = first.get("value", first.get("content", ""))
-        answer = None
-        if len(conv) > 1:
-            answer = conv[1].get("value", conv[1].get("content"))
-        return text, answer
-    return None
+from medusa.prompts import mtbench_prompts, pair_of, read_records, sharegpt_conversations
 
 
 def load_pairs(source: str) -> list[tuple[str, str | None]]:
@@ -61,7 +25,7 @@ def load_pairs(source: str) -> list[tuple[str, str | None]]:
     if source == "sharegpt":
         items = sharegpt_conversations()
     elif Path(source).exists():
-        items = _local_records(Path(source))
+        items = read_records(Path(source), "data.sources")
     elif source.count("/") == 1:
         from datasets import load_dataset
 
@@ -73,7 +37,7 @@ def load_pairs(source: str) -> list[tuple[str, str | None]]:
         raise MedusaError(f"data.sources: {source!r} is neither 'sharegpt', a local file nor a hub id")
     pairs = []
     for item in items:
-        pair = _pair_of(item)
+        pair = pair_of(item)
         if pair is not None and isinstance(pair[0], str) and pair[0].strip():
             pairs.append(pair)
     return pairs
