@@ -9,7 +9,7 @@ their own lengths and accept different numbers of tokens; nothing in the step lo
 from __future__ import annotations
 
 import time
-from typing import Any, Hashable, Protocol
+from typing import Any, Callable, Hashable, Protocol
 
 import torch
 
@@ -285,12 +285,13 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, proposer: Proposer | None = None,
                  sampling: SamplingParams | list[SamplingParams] | None = None,
-                 policy: "StepPolicy | None" = None) -> "Generation":
-        """Decode a fixed set of prompts to completion (the CLI's entry point; the evaluator drives
-        `add` / `policy_step` itself to time each request).
+                 policy: "StepPolicy | None" = None,
+                 on_finish: Callable[[Finished], None] | None = None) -> Generation:
+        """Decode a fixed set of prompts to completion (the CLI's and the evaluator's entry point).
 
         With a `policy` (auto mode) the proposer is chosen per step for the current number of rows, and
-        every step's tokens per row and duration are fed back to it."""
+        every step's tokens per row and duration are fed back to it. `on_finish` hears of each row as it
+        finishes (id: its prompt's index), e.g. to time requests."""
         if max_new_tokens <= 0:
             raise MedusaError(f"--max-new-tokens must be positive, got {max_new_tokens}")
         if not prompts:
@@ -305,12 +306,15 @@ class Engine:
         for source in (proposer, policy):
             if source is not None and hasattr(source, "attach"):
                 source.attach(batch)  # before the prefill, so per-row proposer state sees the prompts
-        for f in self.add(batch, list(range(len(prompts))), prompts, max_new_tokens, sampling).finished:
-            results[f.id] = f
-        while batch.n:
-            out = self.policy_step(batch, proposer, policy)
+        out = self.add(batch, list(range(len(prompts))), prompts, max_new_tokens, sampling)
+        while True:
             for f in out.finished:
                 results[f.id] = f
+                if on_finish is not None:
+                    on_finish(f)
+            if not batch.n:
+                break
+            out = self.policy_step(batch, proposer, policy)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start

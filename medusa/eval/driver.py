@@ -1,4 +1,4 @@
-"""The decoding driver the evaluator and `medusa bench` time: prompts fed to the engine's step API in
+"""The decoding driver the evaluator and `medusa bench` time: prompts decoded by `Engine.generate` in
 consecutive batches, with the time until each request finished and the acceptance counts of every batch."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from medusa.decoding.engine import Engine, StepPolicy
 from medusa.decoding.outputs import Stats
 from medusa.decoding.proposers import Proposer
 from medusa.decoding.sampling import SamplingParams
-from medusa.decoding.transformer import cache_capacity
 
 
 @dataclass
@@ -53,34 +52,26 @@ def sync(device: torch.device) -> None:
 def run_engine(engine: Engine, prompts: list[list[int]], batch: int, max_new: int, proposer: Proposer | None = None,
                sampling: Callable[[int], SamplingParams | None] | None = None,
                policy: StepPolicy | None = None) -> RunResult:
-    """Decode `prompts` in consecutive batches of `batch` rows with the step API, timing each request.
+    """Decode `prompts` in consecutive batches of `batch` rows, timing each request.
     `sampling(i)` gives request i's SamplingParams (None: greedy); a `policy` (auto mode) picks every
     step's proposer and hears how the step went."""
-    outputs: dict[int, list[int]] = {}
-    finish: dict[int, float] = {}
+    outputs: list[list[int]] = []
+    finish: list[float] = []
     run = RunResult([], 0.0, [], 0)
-    extra = policy.max_tree_size if policy is not None else proposer.tree.size if proposer is not None else 1
     for start, chunk in chunks(prompts, batch):
-        b = engine.new_batch(len(chunk), cache_capacity(max(len(p) for p in chunk), max_new, extra), max_new)
+        params = [sampling(i) for i in range(start, start + len(chunk))] if sampling is not None else None
+        seconds = [0.0] * len(chunk)
         t0 = time.perf_counter()
-        for source in (proposer, policy):
-            if hasattr(source, "attach"):
-                source.attach(b)  # before the prefill, so per-row proposer state sees the prompts
-        ids = list(range(start, start + len(chunk)))
-        params = [sampling(i) for i in ids] if sampling is not None else None
-        done = list(engine.add(b, ids, chunk, max_new, params).finished)
-        for f in done:
-            finish[f.id] = time.perf_counter() - t0
-        while b.n:
-            for f in engine.policy_step(b, proposer, policy).finished:
-                done.append(f)
-                finish[f.id] = time.perf_counter() - t0  # since its own batch started
-        sync(engine.model.device)
-        run.seconds += time.perf_counter() - t0
-        outputs.update((f.id, f.tokens) for f in done)
-        _merge(run, b.stats)
-    order = range(len(prompts))
-    run.outputs, run.request_seconds = [outputs[i] for i in order], [finish[i] for i in order]
+
+        def finished(f, seconds=seconds, t0=t0) -> None:
+            seconds[f.id] = time.perf_counter() - t0  # since its own batch started
+
+        gen = engine.generate(chunk, max_new, proposer, params, policy, on_finish=finished)
+        run.seconds += gen.seconds
+        outputs += [f.tokens for f in gen.outputs]
+        finish += seconds
+        _merge(run, gen.stats)
+    run.outputs, run.request_seconds = outputs, finish
     run.new_tokens = sum(len(o) for o in run.outputs)
     return run
 
