@@ -180,11 +180,12 @@ class FeatureProposer:
         vis = torch.zeros(n, k, 0, dtype=torch.bool, device=dev)  # each frontier node's ancestors' entries
         eye = torch.eye(k, dtype=torch.bool, device=dev).expand(n, k, k)
         used = 0
+        longest = int(state.cache.lens[rows].max()) if depth > 1 else 0  # the same for every expansion
         for d in range(2, depth + 1):
             emb, x = self.runner.inputs(front_tok, front_in, fused=False)
             block_vis = torch.cat([vis, eye], dim=2)
             pos = (lens + d - 2)[:, None].expand(n, k)
-            out = self.runner(emb, x, pos, state.cache, rows, used, block_vis)
+            out = self.runner(emb, x, pos, state.cache, rows, used, block_vis, longest)
             logits = self.runner.logits(out)  # [n, k, Vd]
             logp = torch.log_softmax(logits.float(), -1)
             ct, cs, slot = expand(logp, front_score, k)

@@ -86,14 +86,15 @@ class HeadRunner(nn.Module):
         return self.lm_head.forward(out if self.norm is None else self.norm.forward(out))
 
     def forward(self, emb: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
-                used: int, visible: torch.Tensor) -> torch.Tensor:
+                used: int, visible: torch.Tensor, longest: int | None = None) -> torch.Tensor:
         """One pass of t entries per row written after `used` draft entries past each row's committed length
         (cache.lens). visible [B, t, used + t]: which draft entries (and which of this block) each sees; every
-        committed entry is seen. Returns the layer output [B, t, h]."""
+        committed entry is seen. `longest`: max(cache.lens[rows]) when the caller knows it (a draft's passes
+        share it; reading it from the device each pass would wait for the device). Returns [B, t, h]."""
         b, t = positions.shape
         hl = cache.lens[rows]
         span = used + t
-        window = int(hl.max()) + span
+        window = (int(hl.max()) if longest is None else longest) + span
         if window > cache.capacity:
             raise MedusaError(f"feature head cache of {cache.capacity} entries is too small for {window}")
         mask = pass_mask(hl, visible, window)
