@@ -14,7 +14,7 @@ from medusa.decoding.sampling import SamplingParams
 from medusa.serve.app import create_app
 from medusa.serve.config import ServeConfig
 from medusa.serve.request import Event, Request
-from test_serve import _metric, _wait, alone, running_server
+from test_serve import _metric, _wait, running_server
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 PROMPTS = ["The sea is", "Once upon a time there was", "Numbers: one two", "Write a short poem about rain"]

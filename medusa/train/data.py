@@ -7,7 +7,6 @@ that token is an answer token, so the prompt and the system text never appear as
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterator
 
