@@ -1,4 +1,6 @@
-"""Measured tau (tokens per verification step) and speed of feature heads on MT-bench first turns.
+"""Measured tau (tokens per verification step), acceptance by depth and speed of feature heads on a prompt
+set: MT-bench first turns by default, `--prompts` for any other (`sharegpt`, or a file such as
+`benchmarks/prompts/mixed.jsonl`: translation, summarisation, reading comprehension, math, code, writing).
 
     python benchmarks/feature_tau.py --heads runs/smollm2-feature/head --shapes dynamic-16x5,dynamic-32x6 \
         --num-prompts 8 --max-new-tokens 128 --threads 1 --json benchmarks/results/feature_tau.json
@@ -34,12 +36,13 @@ def trained_tokens(head_dir: Path) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     from medusa.decoding.feature_heads import FeatureHead
     from medusa.decoding.feature_proposer import FeatureProposer, parse_shape
-    from medusa.prompts import mtbench_prompts
+    from medusa.prompts import load_prompts
     from medusa.runtime import Runtime
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", nargs="+", required=True)
     ap.add_argument("--shapes", default="dynamic-16x5,dynamic-32x6")
+    ap.add_argument("--prompts", default="mtbench", help="mtbench, sharegpt or a prompt file")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bf16")
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rt = Runtime.load("default", heads="default" if args.medusa else "none", dtype=args.dtype)
-    prompts = rt.encode(mtbench_prompts()[: args.num_prompts])
+    prompts = rt.encode(load_prompts(args.prompts, args.num_prompts))
     methods: dict[str, object] = {}
     if not args.no_plain:
         methods["plain"] = None
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 methods[f"{spec}:planned-{proposer.tree.name}"] = proposer
             else:
                 methods[f"{spec}:{shape}"] = FeatureProposer(head, rt.model, parse_shape(shape))
-    stats = {name: {"tokens": 0, "seconds": 0.0, "row_steps": 0, "accepted": 0.0, "per_prompt": []}
+    stats = {name: {"tokens": 0, "seconds": 0.0, "row_steps": 0, "accepted": 0.0, "per_prompt": [], "hist": []}
              for name in methods}
     for name, proposer in methods.items():  # warm-up
         rt.engine.generate(prompts[:1], 8, proposer)
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             s["row_steps"] += gen.stats.row_steps
             s["accepted"] += gen.stats.mean_accepted * gen.stats.row_steps
             s["per_prompt"].append(round(gen.stats.new_tokens / dt, 2))
+            hist = gen.stats.accept_hist
+            s["hist"] = [a + b for a, b in zip(s["hist"] + [0] * len(hist), hist + [0] * len(s["hist"]))]
         print(f"prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
     plain_rate = None
     rows = []
@@ -92,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         if name == "plain":
             plain_rate = rate
         head = name.rsplit(":", 1)[0]
-        rows.append({"method": name, "tau": round(tau, 3), "tokens_per_s": round(rate, 2),
+        hist = s["hist"]
+        by_depth = [round(sum(hist[k + 1:]) / max(sum(hist[k:]), 1), 3) for k in range(len(hist) - 1)]
+        rows.append({"method": name, "tau": round(tau, 3), "acceptance_by_depth": by_depth,
+                     "tokens_per_s": round(rate, 2),
                      "median_prompt_tokens_per_s": statistics.median(s["per_prompt"]),
                      "trained_tokens": trained_tokens(Path(head)) if Path(head).is_dir() else None})
     for r in rows:
@@ -102,22 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         import platform
 
-        out = {"cpu": _cpu(), "python": platform.python_version(), "torch": torch.__version__,
-               "threads": args.threads, "dtype": args.dtype, "num_prompts": len(prompts),
+        from medusa.decoding.hardware import machine
+        from medusa.io import write_json_atomic
+
+        out = {"cpu": machine().to_dict(), "python": platform.python_version(), "torch": torch.__version__,
+               "threads": args.threads, "dtype": args.dtype, "prompts": args.prompts, "num_prompts": len(prompts),
                "max_new_tokens": args.max_new_tokens, "results": rows}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        write_json_atomic(Path(args.json), out)
     return 0
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":
