@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             plain_rate = rate
         head = name.rsplit(":", 1)[0]
         hist = s["hist"]
-        by_depth = [round(sum(hist[k + 1:]) / max(sum(hist[k:]), 1), 3) for k in range(len(hist) - 1)]
+        deepest = max((k for k, n in enumerate(hist) if n), default=0)  # the longest accepted run
+        by_depth = [round(sum(hist[k + 1:]) / max(sum(hist[k:]), 1), 3) for k in range(deepest)]
         rows.append({"method": name, "tau": round(tau, 3), "acceptance_by_depth": by_depth,
                      "tokens_per_s": round(rate, 2),
                      "median_prompt_tokens_per_s": statistics.median(s["per_prompt"]),
