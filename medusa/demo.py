@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     texts = args.prompt or PROMPTS
     try:
         rt = Runtime.load("default", "default", args.dtype)
-        if rt.heads is None:
-            raise MedusaError("no shipped heads found in medusa/assets/heads")
+        if rt.heads is None and rt.feature is None:
+            raise MedusaError("no shipped heads found in medusa/assets")
         prompts = rt.encode(texts)
         print(f"machine: {rt.machine.describe()}")
         print(f"dtype:   {rt.dtype.name} ({rt.dtype.reason})")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Demo: set up (idempotent), fetch and convert the embedded model once, then decode the same prompts with
-# plain decoding and with Medusa heads, side by side, and print both with their statistics.
+# plain decoding and with the shipped heads under auto mode, side by side, and print both with their statistics.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -75,10 +75,11 @@ def calibrations_stay_in_the_session(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def embedded():
-    """The embedded SmolLM2 in fp32, loaded once per test session (converted once per machine)."""
+    """The embedded SmolLM2 in fp32 with the shipped Medusa heads, loaded once per test session (converted
+    once per machine)."""
     from medusa.runtime import Runtime
 
-    return Runtime.load("default", heads="default", dtype="fp32", device="cpu")
+    return Runtime.load("default", heads="medusa", dtype="fp32", device="cpu")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -478,3 +478,28 @@ def test_fused_eagle3_training_runs_and_decodes(tiny_run, tmp_path):
     prompts = mixed_prompts(2, vocab=97, seed=8)
     spec = engine.generate(prompts, 12, FeatureProposer(head, engine.model, TreeShape(6, 3, 2)))
     assert [o.tokens for o in spec.outputs] == [hf_greedy(model, p, 12) for p in prompts]
+
+
+def test_default_heads_are_the_preferred_shipped_kind(embedded):
+    """`--heads default` loads the shipped feature heads when marked preferred and keeps the shipped Medusa
+    heads beside them: a static tree names the Medusa heads, a dynamic one the feature heads; `medusa` and
+    `feature` name one kind alone."""
+    from dataclasses import replace
+
+    from medusa.decoding.proposers import MedusaProposer
+    from medusa.runtime.feature import resolve_feature, shipped_preferred
+    from medusa.runtime.runtime import load_heads
+
+    hf = embedded.hf_model
+    assert load_heads("medusa", hf) is not None and resolve_feature("medusa", hf) is None
+    preferred = shipped_preferred(hf.config.hidden_size)
+    assert (resolve_feature("default", hf) is not None) == preferred
+    both = replace(embedded, feature=resolve_feature("feature", hf))  # what `default` loads when preferred
+    assert isinstance(both.proposer("medusa", "tree-8"), MedusaProposer)
+    dynamic = both.proposer("medusa", "dynamic-6x2")
+    assert isinstance(dynamic, FeatureProposer) and dynamic.shape == TreeShape(6, 2, 4)
+    prompts = embedded.encode(["Name three colours.", "Count from one to five."])
+    plain = embedded.engine.generate(prompts, 16)
+    for proposer in (both.proposer("medusa", "tree-8"), dynamic):
+        spec = both.engine.generate(prompts, 16, proposer)
+        assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]

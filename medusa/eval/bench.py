@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
                                            rt.hf_model.get_output_embeddings().weight.shape[0])).attach(rt.hf_model)
     if args.max_new_tokens <= 0:
         raise MedusaError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-    trees = args.tree.split(",") if args.tree else [None]
+    # Without --tree: the heads' default tree (the Medusa heads' own when feature heads were loaded beside them)
+    trees = args.tree.split(",") if args.tree else [rt.heads.tree().name if rt.heads is not None else None]
     fixed = {f"medusa:{p.tree.name}": p for p in (rt.proposer("medusa", t) for t in trees)}
     from medusa.runtime.feature import bench_methods
 

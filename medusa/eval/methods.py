@@ -4,6 +4,7 @@ planned, and one run of a method dispatched to our engine or to HF `generate()`.
 from __future__ import annotations
 
 from medusa.decoding.proposers import Proposer
+from medusa.decoding.tree import DEFAULT_TREE
 from medusa.runtime.proposers import build_proposer
 from medusa.eval.anchors import run_hf
 from medusa.eval.config import BATCH_ONE_ONLY, HF, EvalConfig, MethodSpec
@@ -14,7 +15,9 @@ def make_proposer(rt, m: MethodSpec) -> Proposer | None:
     """The proposer of one of our methods (None: plain decoding), from the one proposer factory."""
     spec = {"feature": f"feature:{m.heads}" if m.heads else "feature",
             "draft": f"draft:{m.draft or 'default'}"}.get(m.method, m.method)
-    return build_proposer(rt, spec, m.tree, k=m.k, max_ngram=m.max_ngram)
+    # `medusa` is the Medusa heads over their default tree even where feature heads were loaded beside them.
+    tree = m.tree or (DEFAULT_TREE if m.method == "medusa" else None)
+    return build_proposer(rt, spec, tree, k=m.k, max_ngram=m.max_ngram)
 
 
 class Methods:

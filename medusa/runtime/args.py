@@ -12,7 +12,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct), a model "
                    "directory, a .gguf file or a hub id")
     p.add_argument("--heads", default="default", help="heads directory (Medusa heads, or feature heads: ours or an "
-                   "EAGLE-1/EAGLE-3 layout), 'default' (shipped), 'feature' (shipped feature heads) or 'none'")
+                   "EAGLE-1/EAGLE-3 layout), 'default' (the shipped heads that measured fastest), 'medusa' or "
+                   "'feature' (the shipped heads of that kind) or 'none'")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,bf16,fp16,fp32}",
                    help="auto (default): bf16 where the hardware multiplies it natively, fp32 elsewhere")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")

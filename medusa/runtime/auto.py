@@ -133,5 +133,6 @@ def describe_auto(rt, auto, batch_size: int) -> str:
     if auto is None:
         return f"medusa: auto mode on {where}: plain decoding (no heads for this model)"
     p = auto.plan(batch_size)
-    what = f"Medusa with {p.tree.name} ({p.tree.size} tokens per pass)" if p.tree is not None else "plain decoding"
+    heads = "feature heads" if rt.feature is not None else "Medusa heads"
+    what = f"{heads} with {p.tree.name} ({p.tree.size} tokens per pass)" if p.tree is not None else "plain decoding"
     return f"medusa: auto mode on {where}, batch size {batch_size}: {what}; {p.reason}"

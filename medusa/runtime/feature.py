@@ -3,7 +3,8 @@
 `--heads DIR` holding feature heads (`heads.json` with `"kind": "feature"`, or an EAGLE-1/EAGLE-3 layout)
 loads them instead of Medusa heads; `--heads feature` names the shipped ones, and `--heads default` picks
 them over the shipped Medusa heads when their heads.json says `"preferred": true` (set only when they
-measured faster on MT-bench, see the README). A tree for them is `dynamic-N`, `dynamic-NxD` or
+measured faster, see the README; the Medusa heads then stay loaded beside them for static trees) and
+`--heads medusa` names the shipped Medusa heads alone. A tree for them is `dynamic-N`, `dynamic-NxD` or
 `dynamic-NxDxK` (N nodes, D draft steps, top-K expansion); without one, the size comes from this machine's
 calibrated pass-cost curve and the head's per-step accuracy (eval.json), as auto mode does.
 """
@@ -46,7 +47,7 @@ def shipped_preferred(hidden_size: int) -> bool:
 
 def resolve_feature(spec: str | None, hf_model) -> FeatureHead | None:
     """The feature head `--heads` names, or None when it names Medusa heads (or none)."""
-    if spec in (None, "none"):
+    if spec in (None, "none", "medusa"):
         return None
     hidden = hf_model.config.hidden_size
     if spec == "feature" or (spec == "default" and shipped_preferred(hidden)):
@@ -162,8 +163,11 @@ def method_proposer(rt: "Runtime", heads: str | None, tree: str | None) -> Featu
 def bench_methods(rt: "Runtime", spec: str) -> dict[str, FeatureProposer]:
     """`medusa bench --feature`: {'feature:<tree>': proposer} for the named (or shipped) feature heads at
     their planned tree size for batch size 1; nothing for 'none' or when there are none to time."""
-    if spec == "none" or rt.feature is not None:
-        return {}  # feature heads loaded with --heads already run as the main speculative method
+    if spec == "none" or (rt.feature is not None and rt.heads is None):
+        return {}  # feature heads loaded alone with --heads already run as the main speculative method
+    if rt.feature is not None:  # loaded beside Medusa heads (`--heads default`): the planned tree
+        proposer = feature_proposer(rt, None)
+        return {f"feature:{proposer.tree.name}": proposer}
     if spec == "auto":
         if not (SHIPPED_FEATURE_DIR / "heads.json").is_file():
             return {}

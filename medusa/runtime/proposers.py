@@ -54,7 +54,8 @@ def build_proposer(rt: "Runtime", spec: str, tree: "str | list | Tree | None" = 
 
 
 def _medusa(rt: "Runtime", tree: "str | list | Tree | None") -> Proposer:
-    if rt.feature is not None:
+    static = tree is not None and not str(tree).startswith("dynamic-")
+    if rt.feature is not None and not (static and rt.heads is not None):
         from medusa.runtime.feature import feature_proposer
 
         return feature_proposer(rt, None if isinstance(tree, Tree) else tree)

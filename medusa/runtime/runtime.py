@@ -51,8 +51,11 @@ class Runtime:
         from medusa.runtime.feature import resolve_feature
 
         feature = resolve_feature(heads, hf_model)
+        # `default` with preferred feature heads keeps the shipped Medusa heads beside them: a static tree
+        # (`--tree tree-8`) still names those, and benchmarks time both kinds.
+        medusa = load_heads(heads, hf_model) if feature is None or heads == "default" else None
         return cls(hf_model, tokenizer, transformer, Engine(transformer, eos_ids(hf_model, tokenizer)),
-                   load_heads(heads, hf_model) if feature is None else None, choice, feature)
+                   medusa, choice, feature)
 
     @property
     def machine(self) -> Machine:
@@ -114,11 +117,11 @@ def eos_ids(hf_model, tokenizer) -> list[int]:
 
 
 def load_heads(spec: str | None, hf_model) -> MedusaHeads | None:
-    """`none` -> no heads; `default` -> the shipped heads (if any for this model); else a directory in any
-    layout MedusaHeads.load reads, or a hub id (fetched when online)."""
+    """`none` -> no heads; `default` or `medusa` -> the shipped Medusa heads (if any for this model); else a
+    directory in any layout MedusaHeads.load reads, or a hub id (fetched when online)."""
     if spec in (None, "none"):
         return None
-    if spec == "default":
+    if spec in ("default", "medusa"):
         if not (SHIPPED_DIR / "heads.json").exists():
             return None
         heads = MedusaHeads.load(SHIPPED_DIR)

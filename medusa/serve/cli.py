@@ -15,7 +15,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     p.add_argument("--config", default=None, help="YAML file (configs/serve/*.yaml); flags override it")
     p.add_argument("--model", default=None, help="'default' (embedded model), a model directory, .gguf or hub id")
-    p.add_argument("--heads", default=None, help="heads directory, 'default' (shipped) or 'none'")
+    p.add_argument("--heads", default=None, help="heads directory, 'default' (shipped), 'medusa' or "
+                   "'feature' (shipped heads of that kind) or 'none'")
     p.add_argument("--draft", default=None, help="draft model (shares the target's tokenizer) for draft speculation")
     p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES, metavar="{auto,bf16,fp16,fp32}")
     p.add_argument("--device", default=None)
