@@ -54,11 +54,12 @@ def build_proposer(rt: "Runtime", spec: str, tree: "str | list | Tree | None" = 
 
 
 def _medusa(rt: "Runtime", tree: "str | list | Tree | None") -> Proposer:
-    static = tree is not None and not str(tree).startswith("dynamic-")
+    name = tree.name if isinstance(tree, Tree) else str(tree)
+    static = tree is not None and not name.startswith("dynamic-")
     if rt.feature is not None and not (static and rt.heads is not None):
         from medusa.runtime.feature import feature_proposer
 
-        return feature_proposer(rt, None if isinstance(tree, Tree) else tree)
+        return feature_proposer(rt, None if tree is None else name)
     if rt.heads is not None and isinstance(tree, str) and tree.startswith("dynamic-"):
         from medusa.runtime.feature import medusa_dynamic
 
