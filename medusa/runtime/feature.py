@@ -77,6 +77,12 @@ def feature_proposer(rt: "Runtime", tree: str | None = None, batch_size: int = 1
     return FeatureProposer(rt.feature, rt.model, shape or DEFAULT_SHAPE, runner=runner)
 
 
+@functools.lru_cache(maxsize=None)
+def _draft_pass_ms(runner: HeadRunner, rows: int, tokens: int) -> float:
+    """One head pass's measured cost, once per process: every planner of the same head then plans alike."""
+    return draft_pass_ms(runner, rows, tokens)
+
+
 class _FeatureAuto:
     """AutoSpeculation's plans for a feature head: one planned dynamic tree per batch size."""
 
@@ -89,8 +95,7 @@ class _FeatureAuto:
         self.cal = load_or_measure(rt, [1 << i for i in range(bucket(batch_size).bit_length())], progress=progress)
         self.accuracy = read_accuracy(rt.feature)
         self.shapes: dict[str, TreeShape] = {}
-        self._pass_ms = functools.lru_cache(maxsize=None)(
-            lambda rows, tokens: draft_pass_ms(self.runner, rows, tokens))
+        self._pass_ms = functools.partial(_draft_pass_ms, self.runner)
 
     @functools.lru_cache(maxsize=None)  # noqa: B019 (one planner per runtime; plans are pure per batch size)
     def plan(self, rows: int):
