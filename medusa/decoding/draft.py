@@ -33,7 +33,7 @@ from medusa.io import ASSETS
 from medusa.decoding.proposers import Proposal
 from medusa.decoding.ragged import aux_state, catch_up, causal, common_prefix, context
 from medusa.decoding.sampling import argmax
-from medusa.decoding.transformer import KVCache, Transformer, packed_linear
+from medusa.decoding.transformer import KVCache, Transformer, packed_linear, rows_linear
 from medusa.decoding.tree import chain
 
 if TYPE_CHECKING:
@@ -218,10 +218,7 @@ def load_draft(spec: str, target: torch.nn.Module) -> DraftModel:
 
 def vocab_subset_head(target: torch.nn.Module, vocab: torch.Tensor) -> torch.nn.Linear:
     """The target's output projection restricted to the token ids in `vocab` (row i scores vocab[i])."""
-    weight = target.get_output_embeddings().weight.detach()
-    head = torch.nn.Linear(weight.shape[1], len(vocab), bias=False, device=weight.device, dtype=weight.dtype)
-    head.weight.data.copy_(weight[vocab.to(weight.device)])
-    return head.requires_grad_(False)
+    return rows_linear(target.get_output_embeddings().weight, vocab)
 
 
 def load_draft_hf(spec: str, target: torch.nn.Module) -> torch.nn.Module:

@@ -18,7 +18,8 @@ from torch import nn
 from medusa.decoding.feature_heads import FeatureHead
 from medusa.errors import MedusaError
 from medusa.decoding.transformer import (SHORT_BLOCK, DecoderLayer, KVCache, RMSNorm, Transformer, attention_dtype,
-                                         cache_dtype, packed_linear, pass_mask, rope_tables, short_block_bias)
+                                         cache_dtype, packed_linear, pass_mask, rope_tables, rows_linear,
+                                         short_block_bias)
 
 if TYPE_CHECKING:
     from medusa.decoding.verifier import Verdict
@@ -56,8 +57,7 @@ class HeadRunner(nn.Module):
         lm = head.lm_head.requires_grad_(False)
         ids = head.draft_ids
         if vocab is not None and vocab < len(ids):  # the first `vocab` draft ids (trained heads: most frequent)
-            lm = nn.Linear(lm.in_features, vocab, bias=False, dtype=dtype).requires_grad_(False)
-            lm.weight.data.copy_(head.lm_head.weight[:vocab])
+            lm = rows_linear(head.lm_head.weight, slice(0, vocab), dtype)
             ids = ids[:vocab]
         self.lm_head = packed_linear(lm)
         self.norm = RMSNorm(head.norm) if head.norm is not None else None

@@ -159,12 +159,9 @@ class MedusaHeads(nn.Module):
         """The shared base lm_head's rows of the candidate ids as one packed projection (row i scores
         candidate_ids[i]); built on first use, rebuilt after the candidates or the projection change."""
         if self._candidate_proj is None:
-            from medusa.decoding.transformer import packed_linear
+            from medusa.decoding.transformer import packed_linear, rows_linear
 
-            weight = self.base_lm_head.weight.detach()[self.candidate_ids]
-            lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-            lin.weight.data.copy_(weight)
-            self._candidate_proj = packed_linear(lin.requires_grad_(False))
+            self._candidate_proj = packed_linear(rows_linear(self.base_lm_head.weight, self.candidate_ids))
         return self._candidate_proj
 
     def projection(self, k: int) -> torch.Tensor:

@@ -362,6 +362,15 @@ def packed_linear(linear: nn.Linear) -> Linear:
     return Linear(linear, pack=packing_available(linear.weight))
 
 
+def rows_linear(weight: torch.Tensor, rows: torch.Tensor | slice, dtype: torch.dtype | None = None) -> nn.Linear:
+    """A frozen bias-free projection whose output i is scored by weight[rows][i]: a vocabulary projection
+    restricted to some token ids (candidates, a draft vocabulary), so a step reads only those rows."""
+    w = weight.detach()[rows.to(weight.device) if isinstance(rows, torch.Tensor) else rows]
+    linear = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=dtype or w.dtype)
+    linear.weight.data.copy_(w)
+    return linear.requires_grad_(False)
+
+
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [B, T, D] (the HF rotary embedding's output) shaped for [B, T, H, D] tensors, with
     rotate_half's sign folded into sin: the `rope` argument of `DecoderLayer` and `rope_`."""
