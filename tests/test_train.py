@@ -88,6 +88,48 @@ def test_hf_last_hidden_state_is_what_the_engine_sees():
 
 
 # ---- training ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["ce", "kl"])
+def test_objective_masks_unlabelled_rows_as_if_they_were_dropped(kind):
+    """Rows without a label are masked inside the objective (no device wait): loss, gradients and the
+    top-1 / top-5 / label counts equal those of the labelled rows alone."""
+    from medusa.decoding.heads import HeadsConfig, MedusaHeads
+    from medusa.train.objective import HeadObjective
+
+    torch.manual_seed(0)
+    hidden, vocab, rows = 16, 50, 12
+    heads = MedusaHeads(HeadsConfig(hidden, vocab, 3, 1))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    objective = HeadObjective(heads, torch.randn(vocab, hidden), [1.0, 0.8, 0.6], kind)
+    x = torch.randn(rows, hidden)
+    labels = torch.randint(0, vocab, (rows, 3))
+    labels[torch.rand(rows, 3) < 0.4] = -100
+    labels[:, 2] = -100  # a head with no label at all in this micro-batch
+    teacher = torch.randn(rows, 3, hidden)
+    norm = torch.tensor([9.0, 7.0, 5.0])
+    loss, stats = objective(x, labels, norm, teacher)
+    grads = torch.autograd.grad(loss, list(heads.parameters()))
+    expected_loss = torch.zeros(())
+    counts = []
+    for k in range(3):
+        valid = labels[:, k] >= 0
+        lk = objective.logits(x[valid], full=False)[k]
+        if kind == "kl":
+            target = torch.softmax(objective.base_logits(teacher[valid, k]), -1)
+            per = (target * (target.clamp_min(1e-20).log() - torch.log_softmax(lk, -1))).sum(-1)
+        else:
+            per = torch.nn.functional.cross_entropy(lk, labels[valid, k], reduction="none")
+        expected_loss = expected_loss + objective.weights[k] * per.sum() / norm[k]
+        top = lk.topk(5, -1).indices if valid.any() else torch.zeros(0, 5, dtype=torch.long)
+        hit = top == labels[valid, k][:, None]
+        counts.append([int(hit[:, :1].sum()), int(hit.sum()), int(valid.sum())])
+    expected_grads = torch.autograd.grad(expected_loss, list(heads.parameters()))
+    assert torch.allclose(loss, expected_loss, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, expected_grads))
+    assert stats.shape == (3, 3) and stats.T.tolist() == counts
+    assert counts[2] == [0, 0, 0] and counts[0][2] > 0
+
+
 def test_train_cached_writes_loadable_heads_eval_and_trees(tiny, tmp_path):
     from medusa.decoding.heads import MedusaHeads
     from medusa.decoding.tree import load_tree

@@ -27,13 +27,13 @@ def start_wandb(cfg, run_dir: Path):
                       mode=mode, config=cfg.model_dump(), reinit="finish_previous")
 
 
-def merge_stats(agg: dict | None, loss: torch.Tensor, stats: dict) -> dict:
-    """Sum one micro-batch's loss and per-head counts into the step's totals."""
+def merge_stats(agg: dict | None, loss: torch.Tensor, stats: torch.Tensor) -> dict:
+    """Sum one micro-batch's loss and per-head counts ([3, K]: top-1, top-5, labels) into the step's
+    totals, on the device (read once per step, by the log line)."""
     if agg is None:
-        return {"loss": float(loss.detach()), **{k: list(v) for k, v in stats.items()}}
-    agg["loss"] += float(loss.detach())
-    for k, v in stats.items():
-        agg[k] = [a + b for a, b in zip(agg[k], v)]
+        return {"loss": loss.detach().float(), "stats": stats.detach().clone()}
+    agg["loss"] = agg["loss"] + loss.detach().float()
+    agg["stats"] += stats.detach()
     return agg
 
 
@@ -52,15 +52,15 @@ class Logger:
         if self.wandb is not None:
             self.wandb.log(row, step=step)
         if step % self.cfg.log_every == 0 or step == self.total or step == 1:
-            k = len(agg["count"])
+            k = agg["stats"].shape[1]
             accs = " ".join(f"{row[f'head{i}/top1']:.3f}" for i in range(k))
             print(f"step {step}/{self.total} loss {row['loss']:.4f} top1 [{accs}] lr {lr:.2e} "
                   f"{row['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
 
     def _row(self, step: int, agg: dict, lr: float, positions: int, seconds: float) -> dict:
-        t = torch.tensor([agg["loss"]] + agg["correct1"] + agg["correct5"] + agg["count"], dtype=torch.float64)
-        self.d.all_reduce(t)
-        k = len(agg["count"])
+        t = torch.cat([agg["loss"].reshape(1), agg["stats"].flatten()]).to(dtype=torch.float64)
+        t = self.d.all_reduce(t).cpu()  # on the device for NCCL, on the CPU for gloo: where training runs
+        k = agg["stats"].shape[1]
         # Each process's loss is its share of the global loss (global normalisation): the sum is the loss.
         c1, c5, n = t[1: 1 + k], t[1 + k: 1 + 2 * k], t[1 + 2 * k:].clamp_min(1)
         return {"step": step, "loss": float(t[0]), "lr": lr, "tokens_per_s": positions / max(seconds, 1e-9),

@@ -66,31 +66,30 @@ class HeadObjective(nn.Module):
                 teacher_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """hidden [B, H]; labels [B, K] (-100: none); norm [K] label counts of the global batch;
         teacher_hidden [B, K, H]: base hidden state at t+k+1 (for kind == "kl").
-        Returns (loss, {"correct1": [K], "correct5": [K], "count": [K]}) on this micro-batch."""
+        Returns (loss, stats [3, K]: top-1 hits, top-5 hits and labels per head) on this micro-batch.
+
+        Rows without a label are masked, not dropped, so nothing here waits for the device: the statistics
+        stay on it until the step's log line reads them once."""
         logits = self.logits(hidden, full=False)
         if self.remap is not None:
             labels = torch.where(labels >= 0, self.remap[labels.clamp_min(0)], labels)
         loss = hidden.new_zeros((), dtype=torch.float32)
-        stats = {"correct1": [], "correct5": [], "count": []}
+        stats = []
         for k in range(logits.shape[0]):
             valid = labels[:, k] >= 0
-            lk, yk = logits[k][valid], labels[valid, k]
-            if lk.shape[0]:
-                if self.kind == "kl":
-                    with torch.no_grad():
-                        target = F.softmax(self.base_logits(teacher_hidden[valid, k]) / self.temperature, -1)
-                    logp = F.log_softmax(lk / self.temperature, -1)
-                    per = (target * (torch.log(target.clamp_min(1e-20)) - logp)).sum(-1)
-                else:
-                    per = F.cross_entropy(lk, yk, reduction="none")
-                loss = loss + self.weights[k] * per.sum() / norm[k].clamp_min(1)
+            lk, yk = logits[k], labels[:, k].clamp_min(0)
+            if self.kind == "kl":
+                with torch.no_grad():
+                    target = F.softmax(self.base_logits(teacher_hidden[:, k]) / self.temperature, -1)
+                logp = F.log_softmax(lk / self.temperature, -1)
+                per = (target * (torch.log(target.clamp_min(1e-20)) - logp)).sum(-1)
+            else:
+                per = F.cross_entropy(lk, yk, reduction="none")
+            loss = loss + self.weights[k] * torch.where(valid, per, 0.0).sum() / norm[k].clamp_min(1)
             with torch.no_grad():
-                top = lk.topk(min(5, lk.shape[-1]), -1).indices if lk.shape[0] else torch.zeros(0, 5, dtype=torch.long)
-                hit = top == yk[:, None]
-                stats["correct1"].append(int(hit[:, :1].sum()))
-                stats["correct5"].append(int(hit.sum()))
-                stats["count"].append(int(valid.sum()))
-        return loss, stats
+                hit = (lk.topk(min(5, lk.shape[-1]), -1).indices == yk[:, None]) & valid[:, None]
+                stats.append(torch.stack([hit[:, :1].sum(), hit.sum(), valid.sum()]))
+        return loss, torch.stack(stats, 1).float()
 
 
 @torch.no_grad()
