@@ -242,3 +242,5 @@ def test_export_default_names_the_shipped_heads(tmp_path, shipped, tiny_model_di
     assert (out / "trees" / "tree-8.yaml").read_text() == (shipped / "trees" / "tree-8.yaml").read_text()
     assert main(["export", "--heads", "default", "--out", str(tmp_path / "native")]) == 0
     assert dir_hashes(tmp_path / "native") == dir_hashes(shipped)
+    assert main(["export", "--heads", "medusa", "--out", str(tmp_path / "by-kind")]) == 0  # the same heads
+    assert dir_hashes(tmp_path / "by-kind") == dir_hashes(shipped)
