@@ -503,3 +503,21 @@ def test_default_heads_are_the_preferred_shipped_kind(embedded):
     for proposer in (both.proposer("medusa", "tree-8"), dynamic):
         spec = both.engine.generate(prompts, 16, proposer)
         assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
+
+
+def test_bench_times_the_feature_heads_it_is_given(embedded):
+    """`medusa bench --feature`: `auto` times the runtime's own feature heads (loaded beside the Medusa
+    heads by `--heads default`), a directory times that one, `none` nothing; feature heads loaded alone
+    already run as the main method."""
+    from dataclasses import replace
+
+    from medusa.decoding.feature_heads import SHIPPED_FEATURE_DIR
+    from medusa.runtime.feature import bench_methods, resolve_feature
+
+    both = replace(embedded, feature=resolve_feature("feature", embedded.hf_model))
+    assert bench_methods(both, "none") == {}
+    (own,) = bench_methods(both, "auto").values()
+    assert own.head is both.feature
+    (named,) = bench_methods(both, str(SHIPPED_FEATURE_DIR)).values()
+    assert isinstance(named, FeatureProposer) and named.head is not both.feature
+    assert bench_methods(replace(both, heads=None), "auto") == {}

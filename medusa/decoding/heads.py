@@ -22,6 +22,7 @@ from medusa.errors import MedusaError
 from medusa.io import ASSETS
 
 SHIPPED_DIR = ASSETS / "heads"
+SHIPPED_NAMES = ("default", "medusa")  # what `--heads` and `medusa export --heads` call them
 
 
 @dataclass

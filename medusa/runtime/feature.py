@@ -170,13 +170,10 @@ def bench_methods(rt: "Runtime", spec: str) -> dict[str, FeatureProposer]:
     their planned tree size for batch size 1; nothing for 'none' or when there are none to time."""
     if spec == "none" or (rt.feature is not None and rt.heads is None):
         return {}  # feature heads loaded alone with --heads already run as the main speculative method
-    if rt.feature is not None:  # loaded beside Medusa heads (`--heads default`): the planned tree
-        proposer = feature_proposer(rt, None)
-        return {f"feature:{proposer.tree.name}": proposer}
-    if spec == "auto":
-        if not (SHIPPED_FEATURE_DIR / "heads.json").is_file():
+    if spec == "auto":  # the runtime's own (loaded beside Medusa heads by `--heads default`), else the shipped
+        if rt.feature is None and not (SHIPPED_FEATURE_DIR / "heads.json").is_file():
             return {}
-        spec = "feature"
+        spec = None if rt.feature is not None else "feature"
     proposer = method_proposer(rt, spec, None)
     return {f"feature:{proposer.tree.name}": proposer}
 

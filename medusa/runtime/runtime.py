@@ -15,7 +15,7 @@ from medusa.decoding.chat import chat_ids
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
 from medusa.decoding.hardware import DtypeChoice, Machine, machine, resolve_dtype
-from medusa.decoding.heads import SHIPPED_DIR, MedusaHeads
+from medusa.decoding.heads import SHIPPED_DIR, SHIPPED_NAMES, MedusaHeads
 from medusa.decoding.model import DEFAULT_MODEL, default_device, load_target
 from medusa.decoding.proposers import MedusaProposer, Proposer
 from medusa.decoding.transformer import Transformer
@@ -121,7 +121,7 @@ def load_heads(spec: str | None, hf_model) -> MedusaHeads | None:
     directory in any layout MedusaHeads.load reads, or a hub id (fetched when online)."""
     if spec in (None, "none"):
         return None
-    if spec in ("default", "medusa"):
+    if spec in SHIPPED_NAMES:
         if not (SHIPPED_DIR / "heads.json").exists():
             return None
         heads = MedusaHeads.load(SHIPPED_DIR)

@@ -158,9 +158,9 @@ def _check_heads(src: Path | str) -> Path:
     """The heads' directory (`default` or `medusa`: the shipped Medusa heads; a hub id is fetched first);
     refuses one without (valid) heads."""
     from medusa.decoding.head_formats import resolve_heads_dir
-    from medusa.decoding.heads import MedusaHeads
+    from medusa.decoding.heads import SHIPPED_NAMES, MedusaHeads
 
-    src = shipped_dir() if str(src) in ("default", "medusa") else resolve_heads_dir(src)
+    src = shipped_dir() if str(src) in SHIPPED_NAMES else resolve_heads_dir(src)
     from medusa.decoding.feature_heads import read_kind
 
     if read_kind(src) == "feature":
