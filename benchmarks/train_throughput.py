@@ -1,9 +1,16 @@
-"""Training throughput of the Medusa-1 paths: cached hidden states vs a live frozen forward per step.
+"""Training throughput on this machine, side by side in one run, for the three costly steps of making heads:
 
-    python benchmarks/train_throughput.py --config configs/train/smollm2-medusa1.yaml --steps 10
+    python benchmarks/train_throughput.py feature --steps 30      # medusa train-feature: fp32 vs bf16 autocast
+    python benchmarks/train_throughput.py distill --prompts 256   # medusa distill: batch 16 vs auto
+    python benchmarks/train_throughput.py medusa --steps 10       # medusa train: cached hidden states vs live
 
-Reports label positions trained per second (head-0 labels; every position feeds all heads) for each path,
-and the one-off cost of building the cache. Uses the config's distilled data (run `medusa distill` first).
+feature: trained positions per second of the configured feature-head recipe with `precision=fp32` and with
+`precision=auto` (bf16 matmuls with fp32 master weights where the CPU multiplies bf16 natively), on the
+configured run's cached features (`medusa train-feature --prepare-only` first, or the first run builds them).
+distill: answer tokens per second of greedy distillation with the former fixed batch size (16) and with the
+batch size `distill_batch_size: auto` picks from the calibrated curve, on the same prompts.
+medusa: label positions per second of Medusa-1 training from cached hidden states and with a live frozen
+forward per step. Every result names the machine; `--out FILE` writes them as JSON.
 """
 
 from __future__ import annotations
@@ -13,43 +20,116 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from medusa.train.config import load_config
-from medusa.train.trainer import run_training
+from medusa.io import write_json_atomic
 
 
-def measure(config: str, steps: int, cached: bool, batch: int, seqs: int, subset: int | None) -> dict:
-    with tempfile.TemporaryDirectory() as run_dir:
-        # Reuse the configured run's hidden-state cache (built by `medusa train --prepare-only`) if any.
-        hidden = Path(load_config(config).run_dir).resolve() / "hidden"
-        if hidden.is_dir():
-            os.symlink(hidden, Path(run_dir) / "hidden")
-        overrides = [f"run_dir={run_dir}", f"max_steps={steps}", f"cache_hidden={str(cached).lower()}",
-                     f"loss.vocab_subset={'null' if subset is None else subset}",
-                     f"batch_size={batch if cached else seqs}", "wandb.mode=disabled", "evaluate=false",
-                     f"checkpoint_every={steps + 1}"]
-        result = run_training(load_config(config, overrides))
-    return {"path": "cached" if cached else "plain", "steps": steps, "vocab_subset": subset,
-            "positions": result["trained_positions"], "train_seconds": round(result["train_seconds"], 2),
-            "positions_per_s": round(result["trained_positions"] / max(result["train_seconds"], 1e-9), 1),
-            "cache_build_seconds": round(result.get("table_seconds", 0.0), 2) if cached else 0.0}
+def _with_cache(cache: Path, name: str, run_dir: str) -> None:
+    """Reuse a configured run's cache (features or hidden states) inside a throw-away run directory."""
+    if cache.is_dir():
+        os.symlink(cache.resolve(), Path(run_dir) / name)
+
+
+def feature_rows(config: str, steps: int, batch: int | None, overrides: list[str]) -> list[dict]:
+    from medusa.train.feature import load_feature_config, run_feature_training
+
+    rows = []
+    for precision in ("fp32", "auto"):
+        with tempfile.TemporaryDirectory() as run_dir:
+            cfg0 = load_feature_config(config, overrides)
+            _with_cache(Path(cfg0.run_dir) / "features", "features", run_dir)
+            extra = [f"run_dir={run_dir}", f"max_steps={steps}", f"precision={precision}", "wandb.mode=disabled",
+                     "data.eval_fraction=0", f"checkpoint_every={steps + 1}", f"log_every={steps + 1}"]
+            extra += [f"batch_size={batch}"] if batch else []
+            cfg = load_feature_config(config, overrides + extra)
+            result = run_feature_training(cfg, progress=False)
+        rows.append({"what": "train-feature", "precision": precision, "steps": steps,
+                     "batch_size": cfg.batch_size, "positions": result["trained_tokens"],
+                     "train_seconds": round(result["train_seconds"], 2),
+                     "positions_per_s": round(result["trained_tokens"] / max(result["train_seconds"], 1e-9), 1)})
+    return rows
+
+
+def distill_rows(config: str, prompts: int, overrides: list[str]) -> list[dict]:
+    from medusa.runtime import Runtime
+    from medusa.train.config import load_config
+    from medusa.train.distill import answer_all, distill_batch_size, select_prompts
+
+    cfg = load_config(config, overrides + [f"data.limit={prompts}"])
+    rt = Runtime.load(cfg.model, heads="none", dtype=cfg.dtype)
+    ids = [p for _, p in select_prompts(cfg, rt.tokenizer)]
+    auto = distill_batch_size(cfg.model_copy(update={"data": cfg.data.model_copy(
+        update={"distill_batch_size": "auto"})}), rt, len(ids))
+    rows = []
+    for label, size in (("fixed", 16), ("auto", auto)):
+        start = time.perf_counter()
+        finished = answer_all(rt.engine, ids, cfg.data.max_new_tokens, size)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(f.tokens) for f in finished)
+        rows.append({"what": "distill", "batch": label, "batch_size": size, "prompts": len(ids),
+                     "answer_tokens": tokens, "seconds": round(seconds, 2),
+                     "answer_tokens_per_s": round(tokens / seconds, 1), "dtype": cfg.dtype})
+    return rows
+
+
+def medusa_rows(config: str, steps: int, batch: int, seqs: int, subset: int | None) -> list[dict]:
+    from medusa.train.config import load_config
+    from medusa.train.trainer import run_training
+
+    rows = []
+    for cached in (True, False):
+        with tempfile.TemporaryDirectory() as run_dir:
+            _with_cache(Path(load_config(config).run_dir) / "hidden", "hidden", run_dir)
+            overrides = [f"run_dir={run_dir}", f"max_steps={steps}", f"cache_hidden={str(cached).lower()}",
+                         f"loss.vocab_subset={'null' if subset is None else subset}",
+                         f"batch_size={batch if cached else seqs}", "wandb.mode=disabled", "evaluate=false",
+                         f"checkpoint_every={steps + 1}"]
+            result = run_training(load_config(config, overrides))
+        rows.append({"what": "train", "path": "cached" if cached else "plain", "steps": steps,
+                     "vocab_subset": subset, "positions": result["trained_positions"],
+                     "train_seconds": round(result["train_seconds"], 2),
+                     "positions_per_s": round(result["trained_positions"] / max(result["train_seconds"], 1e-9), 1),
+                     "cache_build_seconds": round(result.get("table_seconds", 0.0), 2) if cached else 0.0})
+    return rows
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="configs/train/smollm2-medusa1.yaml")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=256, help="positions per step (cached path)")
-    p.add_argument("--sequences", type=int, default=2, help="sequences per step (plain path)")
-    p.add_argument("--vocab-subset", type=int, default=None, help="loss.vocab_subset for both paths")
+    p.add_argument("what", choices=["feature", "distill", "medusa"])
+    p.add_argument("--config", help="training YAML (default: configs/feature/smollm2-feature.yaml for feature, "
+                                    "configs/train/smollm2-medusa1.yaml otherwise)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    p.add_argument("--steps", type=int, default=30, help="training steps per measured path")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="feature: sequences per step (default: the config's); medusa: positions per step (256)")
+    p.add_argument("--sequences", type=int, default=2, help="medusa: sequences per step (plain path)")
+    p.add_argument("--vocab-subset", type=int, default=None, help="medusa: loss.vocab_subset for both paths")
+    p.add_argument("--prompts", type=int, default=256, help="distill: prompts answered per batch-size setting")
+    p.add_argument("--out", help="write the rows, with the machine and the command, to this JSON file")
     args = p.parse_args()
-    rows = [measure(args.config, args.steps, True, args.batch_size, args.sequences, args.vocab_subset),
-            measure(args.config, args.steps, False, args.batch_size, args.sequences, args.vocab_subset)]
+    if args.what == "feature":
+        rows = feature_rows(args.config or "configs/feature/smollm2-feature.yaml", args.steps, args.batch_size,
+                            args.set)
+        key, ratio = "positions_per_s", "bf16_over_fp32"
+    elif args.what == "distill":
+        rows = distill_rows(args.config or "configs/train/smollm2-medusa1.yaml", args.prompts, args.set)
+        key, ratio = "answer_tokens_per_s", "auto_over_fixed"
+    else:
+        rows = medusa_rows(args.config or "configs/train/smollm2-medusa1.yaml", args.steps, args.batch_size or 256,
+                           args.sequences, args.vocab_subset)
+        key, ratio = "positions_per_s", "cached_over_plain"
+        rows.reverse()
+    from medusa.decoding.hardware import machine
+
+    report = {"machine": machine().to_dict(), "command": " ".join(sys.argv), "rows": rows,
+              ratio: round(rows[1][key] / max(rows[0][key], 1e-9), 2)}
     for row in rows:
         print(json.dumps(row))
-    speedup = rows[0]["positions_per_s"] / max(rows[1]["positions_per_s"], 1e-9)
-    print(json.dumps({"cached_over_plain": round(speedup, 2)}))
+    print(json.dumps({ratio: report[ratio], "machine": report["machine"]}))
+    if args.out:
+        write_json_atomic(Path(args.out), report)
     return 0
 
 

@@ -4,6 +4,7 @@ rejection sampling keeps the target distribution, the EAGLE layouts round-trip, 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -374,6 +375,35 @@ def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path):
     assert torch.equal(again.fc.weight, head.fc.weight)
     with pytest.raises(MedusaError, match="eagle3-style"):
         export(run / "head", tmp_path / "eagle3", "eagle3")
+
+
+def test_training_continues_from_a_checkpoint_made_elsewhere(tiny_run, tmp_path):
+    """`--resume PATH` (resume_from): a new run directory starting from another run's checkpoint (say one
+    committed on another machine) reaches exactly the head that continuing in place reaches."""
+    from safetensors.torch import load_file
+
+    from medusa.train.feature import run_feature_training
+
+    root, model_dir, data = tiny_run
+    first = tmp_path / "first"
+    run_feature_training(_feature_config(root, model_dir, data, first, max_steps=5), progress=False)
+    moved = tmp_path / "moved"
+    shutil.copytree(first / "checkpoints" / "step-00000005", moved)  # the committed state, elsewhere
+    elsewhere = run_feature_training(_feature_config(root, model_dir, data, tmp_path / "elsewhere", max_steps=8,
+                                                     resume_from=str(moved)), progress=False)
+    in_place = run_feature_training(_feature_config(root, model_dir, data, first, max_steps=8), progress=False)
+    assert elsewhere["step"] == in_place["step"] == 8
+    assert elsewhere["trained_tokens"] == in_place["trained_tokens"]
+    a = load_file(str(tmp_path / "elsewhere" / "head" / "feature_head.safetensors"))
+    b = load_file(str(first / "head" / "feature_head.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    fresh = run_feature_training(_feature_config(root, model_dir, data, tmp_path / "fresh", max_steps=8),
+                                 progress=False)
+    c = load_file(str(tmp_path / "fresh" / "head" / "feature_head.safetensors"))
+    assert not all(torch.equal(a[k], c[k]) for k in a)  # 8 steps from scratch end elsewhere: the state was used
+    with pytest.raises(MedusaError, match="resume_from"):
+        run_feature_training(_feature_config(root, model_dir, data, tmp_path / "bad", max_steps=8,
+                                             resume_from=str(tmp_path / "nothing")), progress=False)
 
 
 def test_shipped_feature_config_validates():

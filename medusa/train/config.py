@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -25,7 +25,9 @@ class DataConfig(StrictConfig):
     limit: int | None = Field(default=None, gt=0)       # prompts to distil / to train on, over all sources
     max_prompt_tokens: int = Field(default=256, gt=0)   # longer prompts are skipped, not cut
     max_new_tokens: int = Field(default=192, gt=0)      # length of each distilled answer
-    distill_batch_size: int = Field(default=16, gt=0)
+    # Rows decoded at once by `medusa distill`; auto: the batch size of highest answer tokens per second on
+    # this machine's measured pass-cost curve (medusa.train.distill.distill_batch_size).
+    distill_batch_size: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
     shard_size: int = Field(default=64, gt=0)           # prompts per saved (resumable) shard
     distill_dir: str | None = None                      # default: <cache>/distill/<model>-<hash>
     # Training on the distilled answers (the target's own greedy outputs) or on the source's answers.

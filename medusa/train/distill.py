@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections import deque
 from pathlib import Path
 
@@ -54,6 +55,28 @@ def select_prompts(cfg: TrainConfig, tokenizer) -> list[tuple[str, list[int]]]:
             if cfg.data.limit and len(out) >= cfg.data.limit:
                 break
     return out
+
+
+# Batch sizes `distill_batch_size: auto` chooses among (one-token passes timed once per machine).
+DISTILL_BATCH_SIZES = [8, 16, 32, 64, 128]
+
+
+def distill_batch_size(cfg: TrainConfig, rt, prompts: int) -> int:
+    """The configured batch size, or for `auto` the smallest measured batch size within 5% of the best
+    answer tokens per second, B / ms(B rows, 1 token), on the calibrated curve (one-token passes over a
+    256-token prefix); never more rows than prompts."""
+    size = cfg.data.distill_batch_size
+    if size != "auto":
+        return size
+    from medusa.runtime.calibrate import load_or_measure
+
+    cal = load_or_measure(rt, batch_sizes=DISTILL_BATCH_SIZES, tokens=[1])
+    rate = {b: b / cal.ms(b, 1) for b in DISTILL_BATCH_SIZES}
+    best = max(rate.values())
+    chosen = min(b for b, r in rate.items() if r >= 0.95 * best)
+    print(f"distill batch size {chosen} (auto: " + ", ".join(f"{b}: {r * 1000:.0f} tok/s" for b, r in rate.items())
+          + ")", file=sys.stderr)
+    return max(1, min(chosen, prompts))
 
 
 def answer_all(engine, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
@@ -103,11 +126,11 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True) -> P
     shards = [(i, prompts[s: s + size]) for i, s in enumerate(range(0, len(prompts), size))]
     todo = [(i, chunk) for i, chunk in shards if _shard_count(out / f"shard-{i:05d}") != len(chunk)]
     total = sum(len(c) for _, c in todo) * cfg.data.max_new_tokens
+    batch_size = distill_batch_size(cfg, rt, len(prompts)) if todo else 1
     bar = tqdm(total=total, unit="tok", desc=f"distill {len(todo)}/{len(shards)} shards",
                disable=not show_progress)
     for i, chunk in todo:
-        finished = answer_all(rt.engine, [ids for _, ids in chunk], cfg.data.max_new_tokens,
-                              cfg.data.distill_batch_size, bar)
+        finished = answer_all(rt.engine, [ids for _, ids in chunk], cfg.data.max_new_tokens, batch_size, bar)
         rows = {"prompt": [p for p, _ in chunk], "prompt_ids": [ids for _, ids in chunk],
                 "response_ids": [f.tokens for f in finished],
                 "response": [rt.decode(f.tokens) for f in finished],

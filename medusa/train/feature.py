@@ -75,6 +75,12 @@ class FeatureTrainConfig(RunConfig):
     log_every: int = Field(default=10, gt=0)
     eval_topk: int = Field(default=10, gt=0, le=50)
     threads: int | None = Field(default=None, gt=0)
+    # Matmuls of the training step: bf16 under autocast with fp32 master weights and fp32 losses, or
+    # fp32 throughout; auto: bf16 where the device multiplies bf16 natively (medusa.decoding.hardware).
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    # Where a run with no checkpoint of its own starts: a checkpoint directory (`.../checkpoints/step-N`) or a
+    # run directory (its latest checkpoint), e.g. one committed from another machine (`--resume PATH`).
+    resume_from: str | None = None
 
 
 def load_feature_config(path: str | Path, overrides: list[str] | None = None) -> FeatureTrainConfig:
@@ -136,23 +142,29 @@ def head_loss(head, cfg: FeatureTrainConfig, feats: torch.Tensor, tokens: torch.
     target_feat = shifted(feats[..., -h:])  # the final feature at s+1
     label_ok = torch.zeros(b, t, dtype=torch.bool, device=feats.device)
     label_ok[:, : t - 2] = answer[:, 2:] & valid[:, 2:]
+    # The vocabulary projections and the loss run on the labelled positions only (answers, not prompts
+    # or padding): rows [N] of the flattened batch; step j's labels are the subset where ok_j holds.
+    rows = label_ok.flatten().nonzero().squeeze(1)
     with torch.no_grad():
-        teacher = torch.softmax(head.lm_head(target_feat).float(), -1)  # draft-vocabulary softmax
-        greedy_d = full_to_draft[shifted(top)]  # the target's token at s+2
+        target_rows = target_feat.flatten(0, 1)[rows]
+        teacher = torch.softmax(head.lm_head(target_rows).float(), -1)  # draft-vocabulary softmax [N, V]
+        greedy_d = full_to_draft[shifted(top).flatten()[rows]]  # the target's token at s+2 [N]
     loss = feats.new_zeros(())
     stats = []
     for j, out, ok in unrolled(head, emb, f_in, label_ok, cfg.loss.unroll):
-        count = ok.sum().clamp(min=1)
-        logits = head.logits(out).float()
+        w = ok.flatten()[rows].float()  # [N]: 0 where step j has no label (its first j positions)
+        count = w.sum().clamp(min=1)
+        out_rows = out.flatten(0, 1)[rows]
+        logits = head.logits(out_rows).float()
         ce = -(teacher * torch.log_softmax(logits, -1)).sum(-1)
-        step_loss = cfg.loss.ce_weight * (ce * ok).sum() / count
+        step_loss = cfg.loss.ce_weight * (ce * w).sum() / count
         if head.config.style == "eagle1" and cfg.loss.feature_weight > 0:
-            sl1 = F.smooth_l1_loss(out, target_feat, reduction="none").mean(-1)
-            step_loss = step_loss + cfg.loss.feature_weight * (sl1 * ok).sum() / count
+            sl1 = F.smooth_l1_loss(out_rows.float(), target_rows.float(), reduction="none").mean(-1)
+            step_loss = step_loss + cfg.loss.feature_weight * (sl1 * w).sum() / count
         loss = loss + cfg.loss.decay ** j * step_loss
         with torch.no_grad():
-            hit = (logits.argmax(-1) == greedy_d) & ok
-            stats.append((int(hit.sum()), int(ok.sum())))
+            hit = (logits.argmax(-1) == greedy_d).float() * w
+            stats.append((int(hit.sum()), int(w.sum())))
     return loss, stats
 
 
@@ -211,7 +223,9 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
         return {"sequences": len(feats), "positions": feats.positions(), "seconds": extract_seconds}
     head, full_to_draft = _make_head(cfg, hf, feats)
     meta = {"base": base, "heads": asdict(head.config) | {"base_model": None}}
+    t0 = time.perf_counter()
     step, trained = _train(cfg, head, feats, full_to_draft, meta)
+    train_seconds = time.perf_counter() - t0
     report = evaluate_head(head, cfg, hf, fn, held, full_to_draft)
     report.update(step=step, trained_tokens=trained, extract_seconds=round(extract_seconds, 1))
     out = Path(cfg.run_dir) / "head"
@@ -222,7 +236,17 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
         (tmp / "train_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
 
     atomic_dir(out, fill)
-    return {"run_dir": str(Path(cfg.run_dir)), "head_dir": str(out), "step": step, "trained_tokens": trained, "eval": report}
+    return {"run_dir": str(Path(cfg.run_dir)), "head_dir": str(out), "step": step, "trained_tokens": trained,
+            "train_seconds": train_seconds, "eval": report}
+
+
+def step_autocast(precision: str, device: torch.device) -> torch.autocast:
+    """The autocast context of a training step: bf16 matmuls (fp32 master weights) when `precision` says
+    bf16, or says auto and the device multiplies bf16 natively; disabled otherwise."""
+    from medusa.decoding.hardware import machine
+
+    bf16 = precision == "bf16" or (precision == "auto" and machine(device).native_bf16)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
 def _train(cfg: FeatureTrainConfig, head, feats: Features, full_to_draft: torch.Tensor, meta: dict) -> tuple[int, int]:
@@ -233,7 +257,8 @@ def _train(cfg: FeatureTrainConfig, head, feats: Features, full_to_draft: torch.
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
     stepper = Stepper(cfg, Dist(), head, [{"params": [p for p in head.parameters() if p.requires_grad],
                                            "lr": cfg.optim.lr}], total)
-    step, trained, history = _resume(run_dir, head, stepper, meta)
+    step, trained, history = _resume(run_dir, head, stepper, meta, cfg.resume_from)
+    autocast = step_autocast(cfg.precision, next(head.parameters()).device)
     wb = start_wandb(cfg, run_dir) if step < total else None
     while step < total and (cfg.max_train_tokens is None or trained < cfg.max_train_tokens):
         epoch, within = divmod(step, per_epoch)
@@ -241,7 +266,8 @@ def _train(cfg: FeatureTrainConfig, head, feats: Features, full_to_draft: torch.
         pick = order[within * cfg.batch_size: (within + 1) * cfg.batch_size].tolist()
         start = time.perf_counter()
         head.train()
-        loss, stats = head_loss(head, cfg, *feats.batch(pick, cfg.data.max_seq_tokens), full_to_draft)
+        with autocast:
+            loss, stats = head_loss(head, cfg, *feats.batch(pick, cfg.data.max_seq_tokens), full_to_draft)
         stepper.backward(loss)
         stepper.step()
         step, trained = step + 1, trained + stats[0][1]
@@ -277,10 +303,26 @@ def _save(run_dir: Path, head, stepper: Stepper, meta, step: int, trained: int, 
     ckpt.save_checkpoint(run_dir / "checkpoints", step, meta, fill, keep)
 
 
-def _resume(run_dir: Path, head, stepper: Stepper, meta) -> tuple[int, int, list]:
+def resume_point(run_dir: Path, resume_from: str | None) -> Path | None:
+    """The checkpoint a run continues from: its own latest, else `resume_from` (a checkpoint directory or a
+    run directory), else none."""
+    path = ckpt.latest_checkpoint(run_dir / "checkpoints")
+    if path is not None or resume_from is None:
+        return path
+    src = Path(resume_from)
+    if (src / "meta.json").is_file() and (src / ckpt.STATE).is_file():
+        return src
+    found = ckpt.latest_checkpoint(src / "checkpoints") or ckpt.latest_checkpoint(src)
+    if found is None:
+        raise MedusaError(f"resume_from: {src} is neither a checkpoint (meta.json, {ckpt.STATE}) nor a run "
+                          "directory with checkpoints")
+    return found
+
+
+def _resume(run_dir: Path, head, stepper: Stepper, meta, resume_from: str | None) -> tuple[int, int, list]:
     from safetensors.torch import load_file
 
-    path = ckpt.latest_checkpoint(run_dir / "checkpoints")
+    path = resume_point(run_dir, resume_from)
     if path is None:
         return 0, 0, []
     ckpt.check_meta(path, meta)
