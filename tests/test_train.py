@@ -246,6 +246,44 @@ def test_distill_is_resumable(tiny, tmp_path):
     assert load_distilled(out)["response_ids"] == ds["response_ids"]
 
 
+def test_distill_extends_with_more_sources_keeping_every_answered_shard(tiny, tmp_path):
+    """A distilled directory grows by appending a source: the shards already answered stay as they are
+    (their prompts come first), the new prompts fill new shards, and other settings are still refused."""
+    from medusa.train.config import load_config
+    from medusa.train.distill import load_distilled, run_distill
+
+    root, model, _ = tiny
+    first, more = tmp_path / "first.txt", tmp_path / "more.txt"
+    first.write_text("\n".join(f"t{5 + i} t{9 + i}" for i in range(4)) + "\n")
+    more.write_text("\n".join(f"t{30 + i} t{40 + i}" for i in range(3)) + "\n")
+    common = dict(data__shard_size=2, data__max_new_tokens=4, data__distill_batch_size=2)
+    a = load_config(write_config(tmp_path / "a.yaml", model, tmp_path / "data", tmp_path / "run",
+                                 data__sources=[str(first)], **common))
+    out = run_distill(a, show_progress=False)
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")}
+    assert sorted(stamps) == ["shard-00000", "shard-00001"]
+    b = load_config(write_config(tmp_path / "b.yaml", model, tmp_path / "data", tmp_path / "run",
+                                 data__sources=[str(first), str(more)], **common))
+    run_distill(b, show_progress=False)
+    again = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")}
+    assert sorted(again) == ["shard-00000", "shard-00001", "shard-00002", "shard-00003"]
+    assert all(again[k] == v for k, v in stamps.items())
+    assert load_distilled(out)["prompt"][4:] == [f"t{30 + i} t{40 + i}" for i in range(3)]
+    other = load_config(write_config(tmp_path / "c.yaml", model, tmp_path / "data", tmp_path / "run",
+                                     data__sources=[str(more), str(first)], **common))
+    with pytest.raises(MedusaError, match="data.distill_dir"):
+        run_distill(other, show_progress=False)
+
+
+def test_later_sharegpt_turns_are_prompts_of_their_own():
+    from medusa.train.data import later_turns
+
+    conv = [{"from": "human", "value": "first"}, {"from": "gpt", "value": "a1"},
+            {"from": "human", "value": "second"}, {"from": "gpt", "value": "a2"},
+            {"from": "human", "value": " "}, {"from": "gpt", "value": "a3"}, {"from": "human", "value": "last"}]
+    assert later_turns([{"conversations": conv}]) == [("second", "a2"), ("last", None)]
+
+
 def test_vocab_subset_covering_everything_equals_full_softmax(tiny, tmp_path):
     from medusa.train.config import load_config
     from medusa.train.trainer import run_training

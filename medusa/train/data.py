@@ -17,10 +17,27 @@ from medusa.errors import MedusaError
 from medusa.prompts import mtbench_prompts, pair_of, read_records, sharegpt_conversations
 
 
+def later_turns(records: list[dict]) -> list[tuple[str, str | None]]:
+    """Every human turn after the first of each conversation, as a prompt of its own, with the reply that
+    followed it (None at the end)."""
+    out = []
+    for rec in records:
+        conv = rec["conversations"]
+        for i in range(2, len(conv)):
+            turn = conv[i]
+            if turn.get("from") == "human" and isinstance(turn.get("value"), str) and turn["value"].strip():
+                nxt = conv[i + 1] if i + 1 < len(conv) else {}
+                out.append((turn["value"], nxt.get("value") if nxt.get("from") == "gpt" else None))
+    return out
+
+
 def load_pairs(source: str) -> list[tuple[str, str | None]]:
-    """First user turn (and the source's own answer, when it has one) of every record of a source."""
+    """First user turn (and the source's own answer, when it has one) of every record of a source;
+    `sharegpt-turns`: ShareGPT's later user turns, each a prompt of its own."""
     if source == "mtbench":
         raise MedusaError("data.sources: 'mtbench' is the evaluation set and cannot be trained on")
+    if source == "sharegpt-turns":
+        return later_turns(sharegpt_conversations())
     if source == "sharegpt":
         items = sharegpt_conversations()
     elif Path(source).exists():
@@ -33,7 +50,8 @@ def load_pairs(source: str) -> list[tuple[str, str | None]]:
         except Exception as exc:  # offline, unknown id, ...: one line for the user
             raise MedusaError(f"data.sources: cannot load hub dataset {source!r}: {str(exc)[:200]}") from None
     else:
-        raise MedusaError(f"data.sources: {source!r} is neither 'sharegpt', a local file nor a hub id")
+        raise MedusaError(f"data.sources: {source!r} is neither 'sharegpt', 'sharegpt-turns', a local file nor "
+                          "a hub id")
     pairs = []
     for item in items:
         pair = pair_of(item)

@@ -45,6 +45,14 @@ def _meta(cfg: TrainConfig) -> dict:
             "max_prompt_tokens": d.max_prompt_tokens}
 
 
+def extends(old: dict, new: dict) -> bool:
+    """A distilled directory made with `old` settings can be continued with `new` ones: the same settings,
+    with the same sources first (more sources append prompts after the ones already answered, so every
+    existing shard keeps its prompts)."""
+    same = {k: v for k, v in old.items() if k != "sources"} == {k: v for k, v in new.items() if k != "sources"}
+    return same and new["sources"][: len(old["sources"])] == old["sources"]
+
+
 def select_prompts(cfg: TrainConfig, tokenizer) -> list[tuple[str, list[int]]]:
     """(prompt, chat-formatted ids) of the training prompts that fit data.max_prompt_tokens."""
     out = []
@@ -114,7 +122,7 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True) -> P
     out = distill_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / "meta.json"
-    if meta_path.exists() and json.loads(meta_path.read_text()) != _meta(cfg):
+    if meta_path.exists() and not extends(json.loads(meta_path.read_text()), _meta(cfg)):
         raise MedusaError(f"data.distill_dir: {out} holds answers made with other settings "
                           f"({meta_path.read_text().strip()}); choose another directory")
     write_json_atomic(meta_path, _meta(cfg))
