@@ -17,11 +17,15 @@ from medusa.runtime.args import add_model_args, add_sampling_args, sampling_from
 EXTERNAL_COMMANDS = ["medusa.eval.cli", "medusa.runtime.calibrate", "medusa.train.cli", "medusa.serve.cli"]
 
 
+# The distribution's name (pyproject.toml); the package it installs is `medusa`.
+DISTRIBUTION = "medusa-decoding"
+
+
 def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("medusa")
+        return version(DISTRIBUTION)
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown"
 

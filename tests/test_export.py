@@ -232,15 +232,24 @@ def test_expected_tau_by_hand():
     assert expected_tau([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)], acc) == pytest.approx(1 + 0.5 + 0.2 + 0.2 + 0.05)
 
 
-def test_export_default_names_the_shipped_heads(tmp_path, shipped, tiny_model_dir, capsys):
-    """`--heads default` exports the shipped heads (here a stand-in), e.g. to serve them with vLLM."""
+def test_export_shipped_names_as_generate_reads_them(tmp_path, shipped, tiny_model_dir, capsys):
+    """`--heads medusa` exports the shipped Medusa heads (here a stand-in), e.g. to serve them with vLLM;
+    `--heads default` names what `medusa generate --heads default` drafts with: the shipped feature heads while
+    they are marked preferred, which a Medusa layout cannot hold."""
     out = tmp_path / "vllm"
-    assert main(["export", "--heads", "default", "--format", "vllm", "--out", str(out),
+    assert main(["export", "--heads", "medusa", "--format", "vllm", "--out", str(out),
                  "--model", str(tiny_model_dir)]) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 3
     assert (out / "trees" / "tree-8.yaml").read_text() == (shipped / "trees" / "tree-8.yaml").read_text()
-    assert main(["export", "--heads", "default", "--out", str(tmp_path / "native")]) == 0
-    assert dir_hashes(tmp_path / "native") == dir_hashes(shipped)
-    assert main(["export", "--heads", "medusa", "--out", str(tmp_path / "by-kind")]) == 0  # the same heads
+    assert main(["export", "--heads", "medusa", "--out", str(tmp_path / "by-kind")]) == 0
     assert dir_hashes(tmp_path / "by-kind") == dir_hashes(shipped)
+    from medusa.runtime.feature import shipped_preferred
+
+    if shipped_preferred():
+        capsys.readouterr()
+        assert main(["export", "--heads", "default", "--format", "vllm", "--out", str(tmp_path / "d"),
+                     "--model", str(tiny_model_dir)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--heads" in err and "--format vllm" in err
+        assert not (tmp_path / "d").exists()

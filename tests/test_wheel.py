@@ -45,7 +45,7 @@ def wheel(tmp_path_factory) -> Path:
     proc = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                 str(tmp / "dist"), "."], cwd=src)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (built,) = (tmp / "dist").glob("medusa-*.whl")
+    (built,) = (tmp / "dist").glob("medusa_decoding-*.whl")
     return built
 
 

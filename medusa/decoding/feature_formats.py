@@ -39,18 +39,38 @@ def _layer_state(head, prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def rope_fields(cfg: dict) -> dict:
+    """`rope_theta` and `rope_scaling` as transformers 4.x configs (and the readers written for them) spell
+    them; transformers 5 keeps both under `rope_parameters`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = cfg.get("rope_theta", params.pop("rope_theta", None))
+    params.pop("rope_theta", None)
+    if theta is None:
+        raise MedusaError("the target's config has no rope_theta (nor rope_parameters.rope_theta)")
+    kind = params.get("rope_type", params.get("type", "default"))
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and kind != "default":
+        scaling = {**params, "type": kind, "rope_type": kind}
+    return {"rope_theta": float(theta), "rope_scaling": scaling}
+
+
 def eagle_config(head, draft_vocab: bool) -> dict:
-    """The one-layer Llama config.json of the layouts."""
+    """The one-layer Llama config.json of the layouts, with the keys SafeAILab/EAGLE's reader takes from it:
+    the layer sizes, `rope_theta` / `rope_scaling` (the target's rotary base), `bias` (fc has one in
+    EAGLE-1) and, for EAGLE-3, `draft_vocab_size`."""
     cfg = head.layer_config.to_dict()
     for key in ("quantization_config", "transformers_version", "_name_or_path", "layer_types", "dtype"):
         cfg.pop(key, None)
+    cfg.update(rope_fields(cfg))
     cfg.update(num_hidden_layers=1, model_type="llama", torch_dtype="float32")
     if draft_vocab:
         cfg["architectures"] = ["LlamaForCausalLMEagle3"]
         cfg["draft_vocab_size"] = head.config.draft_vocab
         cfg["eagle_feature_layers"] = list(head.config.feature_layers)
+        cfg["bias"] = False
     else:
         cfg["architectures"] = ["LlamaForCausalLM"]
+        cfg["bias"] = True
     return cfg
 
 

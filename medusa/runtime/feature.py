@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 DEFAULT_SHAPE = TreeShape(16, 5, 4)  # when nothing was measured: a middle-sized tree
 
 
-def shipped_preferred(hidden_size: int) -> bool:
-    """The shipped feature heads are the default for their model when marked so (they measured faster)."""
+def shipped_preferred(hidden_size: int | None = None) -> bool:
+    """The shipped feature heads are the default for their model when marked so (they measured faster);
+    `hidden_size`: the target's, when one is loaded (None: the embedded model they were trained for)."""
     path = SHIPPED_FEATURE_DIR / "heads.json"
     if not path.is_file():
         return False
@@ -42,7 +43,7 @@ def shipped_preferred(hidden_size: int) -> bool:
         info = json.loads(path.read_text())
     except ValueError:
         return False
-    return bool(info.get("preferred")) and info.get("hidden_size") == hidden_size
+    return bool(info.get("preferred")) and (hidden_size is None or info.get("hidden_size") == hidden_size)
 
 
 def resolve_feature(spec: str | None, hf_model) -> FeatureHead | None:

@@ -36,23 +36,35 @@ def add_parser(subparsers) -> None:
     f.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. loss.unroll=2 (repeatable)")
     f.add_argument("--prepare-only", action="store_true", help="extract and cache the target's features, then stop")
+    f.add_argument("--resume", metavar="PATH", help="start from this checkpoint (or run directory's latest) when "
+                                                    "the run has none of its own, e.g. one made on another machine")
     f.add_argument("--no-progress", action="store_true")
     f.set_defaults(func=cmd_train_feature)
 
     add_train_draft_parser(subparsers)
 
     e = subparsers.add_parser("export", help="copy a run's heads with their trees and eval.json to a directory, "
-                                             "or make them the shipped heads")
-    e.add_argument("--heads", required=True, help="a run's heads directory, e.g. runs/smollm2-medusa1/heads")
-    where = e.add_mutually_exclusive_group(required=True)
+                                             "or make them the shipped heads; write the target for other loaders")
+    e.add_argument("--heads", default=None, help="a run's heads directory (e.g. runs/smollm2-medusa1/heads), a hub "
+                   "id, or the shipped heads as every command names them: 'default' (the shipped heads that "
+                   "measured fastest), 'medusa' or 'feature'")
+    where = e.add_mutually_exclusive_group()
     where.add_argument("--out", help="destination directory (created, or replaced atomically)")
     where.add_argument("--to-shipped", action="store_true",
-                       help="replace the shipped heads (what --heads default loads); refused if these measure worse")
+                       help="replace the shipped Medusa heads (what --heads medusa loads); refused if these "
+                            "measure worse")
     e.add_argument("--format", default="native", choices=sorted(FORMATS),
                    help="output layout (default: native, ours); vllm: vLLM's Medusa checkpoint; medusa: "
-                        "FasterDecoding's medusa_lm_head.pt")
+                        "FasterDecoding's medusa_lm_head.pt; eagle|eagle3: SafeAILab/EAGLE's (feature heads)")
     e.add_argument("--model", default=None, help="with --format vllm|medusa: the target model whose lm_head "
-                   "they store (default: the one the heads record)")
+                   "they store (default: the one the heads record); with --base-model: the model to write "
+                   "(default: the embedded one)")
+    e.add_argument("--base", default=None, help="with --format vllm|medusa: base_model_name_or_path in their "
+                   "config.json (default: the hub id of the embedded model, the absolute folder of a local one, "
+                   "the --base-model folder when one is written)")
+    e.add_argument("--base-model", default=None, metavar="DIR", help="also (or only) write a copy of the target "
+                   "model to DIR in a layout transformers 4.x reads (for FasterDecoding's and SafeAILab/EAGLE's "
+                   "loaders)")
     e.add_argument("--force", action="store_true", help="with --to-shipped: replace even if these measure worse")
     e.set_defaults(func=cmd_export)
 
@@ -118,7 +130,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_train_feature(args: argparse.Namespace) -> int:
     from medusa.train.feature import load_feature_config, run_feature_training
 
-    cfg = load_feature_config(args.config, args.set)
+    cfg = load_feature_config(args.config, args.set + ([f"resume_from={args.resume}"] if args.resume else []))
     result = run_feature_training(cfg, progress=not args.no_progress, prepare_only=args.prepare_only)
     if args.prepare_only:
         print(f"features cached: {result['sequences']} sequences, {result['positions']} label positions")
@@ -161,19 +173,70 @@ def summary(result: dict) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from medusa.train.export import export, export_to_shipped, shipped_dir
+    from medusa.train.export import check_heads, export, export_to_shipped, shipped_dir, write_base_model
 
-    src = Path(args.heads)
-    if not args.to_shipped:
-        out = export(args.heads, Path(args.out), args.format, args.model)
+    if args.heads is None and (args.out or args.to_shipped):
+        raise MedusaError("--heads: name the heads to export (a directory, a hub id, default, medusa or feature)")
+    if args.heads is not None and not (args.out or args.to_shipped):
+        raise MedusaError("--out: name the destination directory (or pass --to-shipped)")
+    if args.heads is None and args.base_model is None:
+        raise MedusaError("--heads: name the heads to export with --heads and --out (or the target to write with "
+                          "--base-model DIR)")
+    if args.base_model is not None and args.to_shipped:
+        raise MedusaError("--base-model: not with --to-shipped (the shipped heads need no copy of the target)")
+    if args.base_model is not None:
+        if args.heads is not None:
+            check_heads(args.heads, args.format)  # heads that cannot be exported: refused before the copy
+        model = args.model or _heads_target(args.heads)
+        out = write_base_model(model, Path(args.base_model))
+        print(f"target {model} -> {out} (a layout transformers 4.x reads)")
+    if args.heads is not None and not args.to_shipped:
+        src = Path(args.heads)
+        base = args.base
+        if base is None and args.base_model is not None and args.format in ("medusa", "vllm"):
+            base = str(Path(args.base_model).expanduser().resolve())
+        model = args.model if args.format in ("medusa", "vllm") else None
+        if args.model is not None and model is None and args.base_model is None:
+            raise MedusaError("--model: only with --format vllm|medusa or --base-model")
+        out = export(args.heads, Path(args.out), args.format, model, base)
         print(f"exported {src} -> {out} ({args.format}: heads, eval.json, trees)")
+    if not args.to_shipped:
         return 0
-    if args.model is not None:
-        raise MedusaError("--model: only with --out and --format vllm|medusa")
+    src = Path(args.heads)
+    if args.model is not None or args.base is not None:
+        raise MedusaError(f"{'--model' if args.model is not None else '--base'}: only with --out and --format "
+                          "vllm|medusa")
     new, old = export_to_shipped(src, force=args.force, fmt=args.format)
     print(f"shipped heads replaced: {shipped_dir()} <- {src} (tau with their default tree {_tau(new)}, "
           f"previous {_tau(old)})")
     return 0
+
+
+def _heads_target(heads: str | None) -> str:
+    """The target the heads were trained for (their train_config.yaml's model, else the model they record),
+    else the embedded model."""
+    import json
+
+    import yaml
+
+    from medusa.train.export import SHIPPED_KINDS
+
+    if heads is None or heads in SHIPPED_KINDS or not Path(heads).is_dir():
+        return "default"
+    d = Path(heads)
+    if (d / "train_config.yaml").is_file():
+        model = (yaml.safe_load((d / "train_config.yaml").read_text()) or {}).get("model")
+        if model:
+            return str(model)
+    for name in ("heads.json", "config.json"):
+        try:
+            info = json.loads((d / name).read_text())
+        except (OSError, ValueError):
+            continue
+        model = info.get("base_model") or info.get("base_model_name_or_path")
+        if model:
+            return str(model)
+    return "default"
 
 
 def _tau(m) -> str:

@@ -50,7 +50,14 @@ def _write_eagle(layout: str) -> Callable[[Path, Path], None]:
     def write(src: Path, dest: Path) -> None:
         from medusa.decoding.feature_formats import save_eagle
 
-        save_eagle(_feature_head(src), dest, layout)
+        head = _feature_head(src)
+        n = len(head._target[0].model.layers)
+        eagle_layers = [2, n // 2, n - 3]
+        if layout == "eagle3" and list(head.config.feature_layers) != eagle_layers:
+            print(f"medusa export: this head fuses target layers {list(head.config.feature_layers)}; "
+                  f"SafeAILab/EAGLE's code feeds an EAGLE-3 head layers {eagle_layers} (its config key "
+                  "eagle_feature_layers is ours only)", file=sys.stderr)
+        save_eagle(head, dest, layout)
         for extra in ("eval.json", "train_config.yaml"):
             if (src / extra).exists():
                 shutil.copy2(src / extra, dest / extra)
@@ -85,49 +92,99 @@ def target_lm_head(model: str) -> torch.Tensor:
     return hf_model.get_output_embeddings().weight.detach()
 
 
-def _write_layout(layout: str, src: Path, dest: Path, model: str | None) -> None:
+# What FasterDecoding's loader builds whatever config.json says (it overrides medusa_num_heads).
+FASTERDECODING_HEADS = 5
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def base_name(name: str, flag: str = "--base") -> str:
+    """What another loader's `base_model_name_or_path` should say for target `name`: the hub id of the
+    embedded model, the absolute path of a local model folder, a hub id as given."""
+    from medusa.decoding.model import DEFAULT_MODEL, EMBEDDED_NAME
+
+    if name in (DEFAULT_MODEL, EMBEDDED_NAME):
+        return EMBEDDED_HUB_ID
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if path.is_file():
+        raise MedusaError(f"{flag}: {name} is a file; other loaders read the target from a model folder or a hub "
+                          "id (write one with --base-model DIR and pass --base DIR)")
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        return name
+    raise MedusaError(f"{flag}: {name!r} is neither a local model folder, a hub id (owner/name) nor 'default'")
+
+
+def _write_layout(layout: str, src: Path, dest: Path, model: str | None, base: str | None = None) -> None:
     from medusa.decoding.heads import MedusaHeads
 
     heads = MedusaHeads.load(src)
+    target = model or heads.config.base_model
     if heads.lm_heads is None:
         # Heads sharing the target's lm_head: these layouts store it, so it is read from the target.
-        name = model or heads.config.base_model
-        if not name:
+        if not target:
             raise MedusaError(f"--model: {src} shares the target's lm_head but does not record its target; "
                               "name the target model with --model")
-        heads.use_projection(target_lm_head(name))
+        heads.use_projection(target_lm_head(target))
+    if base is not None:
+        heads.config.base_model = base_name(base)
+    elif target:
+        heads.config.base_model = base_name(target, "--model" if model else "--base")
+    else:
+        raise MedusaError(f"--base: {src} does not record its target model; name it with --base (a hub id or "
+                          "a model folder)")
     if layout == "medusa" and heads.candidate_ids is not None:
         print(f"medusa export: the Medusa layout has no candidate vocabulary; the {heads.config.candidates} "
               "candidates are dropped and its heads rank the whole vocabulary", file=sys.stderr)
+    n = heads.config.num_heads
+    if layout == "medusa" and n != FASTERDECODING_HEADS:
+        def span(a: int, b: int) -> str:
+            return f"head {a}" if a == b else f"heads {a}..{b}"
+        extra = (f"its {span(n + 1, FASTERDECODING_HEADS)} keep their random initialisation, without a warning: "
+                 f"use medusa_choices over the first {n} heads only" if n < FASTERDECODING_HEADS else
+                 f"{span(FASTERDECODING_HEADS + 1, n)} are dropped without a warning")
+        print(f"medusa export: {n} heads written (medusa_num_heads {n}); FasterDecoding's loader always builds "
+              f"{FASTERDECODING_HEADS} and loads non-strictly, so {extra}", file=sys.stderr)
     heads.save(dest, layout=layout)
     _copy_extras(src, dest)
 
 
-def _write_vllm(src: Path, dest: Path, model: str | None = None) -> None:
+def _write_vllm(src: Path, dest: Path, model: str | None = None, base: str | None = None) -> None:
     """vLLM's Medusa checkpoint: config.json (model_type medusa) + model.safetensors; a candidate vocabulary
     becomes truncated_vocab_size + token_map."""
-    _write_layout("vllm", src, dest, model)
+    _write_layout("vllm", src, dest, model, base)
 
 
-def _write_medusa(src: Path, dest: Path, model: str | None = None) -> None:
-    """FasterDecoding's Medusa layout: config.json (medusa_num_heads, ...) + medusa_lm_head.pt with a
-    vocabulary projection per head, which both its v1 and v2 loaders read."""
-    _write_layout("medusa", src, dest, model)
+def _write_medusa(src: Path, dest: Path, model: str | None = None, base: str | None = None) -> None:
+    """FasterDecoding's Medusa layout: config.json (medusa_num_heads, base_model_name_or_path, ...) +
+    medusa_lm_head.pt with a vocabulary projection per head, which both its v1 and v2 loaders read."""
+    _write_layout("medusa", src, dest, model, base)
 
 
 # Output formats by name; each writes the exported heads from `src` into the (temporary) `dest`.
 FORMATS: dict[str, Callable[[Path, Path], None]] = {"native": _write_native, "eagle": _write_eagle("eagle"),
                                                     "eagle3": _write_eagle("eagle3")}
 FORMATS.update(vllm=_write_vllm, medusa=_write_medusa)
-# Formats that store the target's lm_head: their writers take the target model (`--model`) as `model=`.
+# Formats that store the target's lm_head: their writers take the target model (`--model`) as `model=` and
+# the name their config gives it (`--base`) as `base=`.
 TARGET_FORMATS = {"vllm", "medusa"}
+# The kind of heads each format holds (None: either).
+FORMAT_KINDS = {"native": None, "eagle": "feature", "eagle3": "feature", "vllm": "medusa", "medusa": "medusa"}
 
 
 def shipped_dir() -> Path:
-    """The shipped heads (read at call time so tests can point it at a copy)."""
+    """The shipped Medusa heads (read at call time so tests can point it at a copy)."""
     from medusa.decoding import heads
 
     return Path(heads.SHIPPED_DIR)
+
+
+def shipped_feature_dir() -> Path:
+    """The shipped feature heads, where `--heads feature|default` finds them at run time (read at call time so
+    tests can point it at a copy)."""
+    from medusa.runtime import feature
+
+    return Path(feature.SHIPPED_FEATURE_DIR)
 
 
 @dataclass
@@ -154,16 +211,45 @@ def measure(heads_dir: Path) -> Measure | None:
     return Measure(expected_tau(tree.nodes, acc), DEFAULT_TREE, [a[0] for a in acc])
 
 
-def _check_heads(src: Path | str) -> Path:
-    """The heads' directory (`default` or `medusa`: the shipped Medusa heads; a hub id is fetched first);
-    refuses one without (valid) heads."""
-    from medusa.decoding.head_formats import resolve_heads_dir
-    from medusa.decoding.heads import SHIPPED_NAMES, MedusaHeads
+SHIPPED_KINDS = ("default", "medusa", "feature")  # the names `--heads` gives the shipped heads, everywhere
 
-    src = shipped_dir() if str(src) in SHIPPED_NAMES else resolve_heads_dir(src)
+
+def shipped_kind(spec: str) -> str:
+    """Which shipped heads `--heads default|medusa|feature` names, as `medusa generate` reads them: `default`
+    is the feature heads when their heads.json marks them preferred (they measured faster), else the Medusa
+    heads."""
+    from medusa.runtime.feature import shipped_preferred
+
+    if spec == "default":
+        return "feature" if (shipped_feature_dir() / "heads.json").is_file() and shipped_preferred() else "medusa"
+    return spec
+
+
+def check_heads(src: Path | str, fmt: str | None = None) -> Path:
+    """The heads' directory (`default`, `medusa`, `feature`: the shipped heads, as every command names them;
+    a hub id is fetched first); refuses one without (valid) heads, or of a kind that `fmt` cannot hold."""
     from medusa.decoding.feature_heads import read_kind
+    from medusa.decoding.head_formats import resolve_heads_dir
+    from medusa.decoding.heads import MedusaHeads
 
-    if read_kind(src) == "feature":
+    spec = str(src)
+    if spec in SHIPPED_KINDS:
+        kind = shipped_kind(spec)
+        src = shipped_feature_dir() if kind == "feature" else shipped_dir()
+        if not src.is_dir():
+            raise MedusaError(f"--heads {spec}: no shipped {kind} heads in this installation")
+    else:
+        src = resolve_heads_dir(src)
+        kind = "feature" if read_kind(src) == "feature" else "medusa"
+    wanted = FORMAT_KINDS.get(fmt) if fmt else None
+    if wanted is not None and kind != wanted:
+        named = f"{spec} names the shipped {kind} heads" if spec in SHIPPED_KINDS else f"{spec} holds {kind} heads"
+        other = "--heads feature or a feature-head directory" if wanted == "feature" else \
+            "--heads medusa or a Medusa heads directory"
+        fits = sorted(f for f, k in FORMAT_KINDS.items() if k in (None, kind))
+        raise MedusaError(f"--heads: {named}, and --format {fmt} holds {wanted} heads only; export them with "
+                          f"--format {', '.join(fits[:-1])} or {fits[-1]}, or pass {other}")
+    if kind == "feature":
         return src  # feature heads: checked when a format reads them
     MedusaHeads.load(src)  # refuses a directory without (valid) heads
     return src
@@ -180,25 +266,33 @@ def _check_out(src: Path, out: Path) -> None:
     if o == shipped_dir().resolve():
         raise MedusaError(f"--out: {out} is the shipped heads directory; use --to-shipped (it checks that "
                           "the new heads are not worse)")
+    if o == shipped_feature_dir().resolve():
+        raise MedusaError(f"--out: {out} is the shipped feature heads directory; name another one")
     if out.exists() and not out.is_dir():
         raise MedusaError(f"--out: {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not any((out / f).exists() for f in ("heads.json", "config.json")):
         raise MedusaError(f"--out: {out} is a non-empty directory that holds no heads; name a new or empty one")
 
 
-def export(src: Path | str, out: Path, fmt: str = "native", model: str | None = None) -> Path:
-    """Copy heads (with trees and eval.json) from `src` (a directory or a hub id) to `out` in layout `fmt`,
-    replacing `out` atomically. `model`: the target whose lm_head the vllm and medusa layouts store
-    (default: the one the heads record)."""
+def export(src: Path | str, out: Path, fmt: str = "native", model: str | None = None,
+           base: str | None = None) -> Path:
+    """Copy heads (with trees and eval.json) from `src` (a directory, a hub id or a shipped name) to `out` in
+    layout `fmt`, replacing `out` atomically. `model`: the target whose lm_head the vllm and medusa layouts
+    store (default: the one the heads record); `base`: what their config calls the target
+    (`base_model_name_or_path`; default: the hub id of the embedded model, the absolute folder of a local one)."""
     if fmt not in FORMATS:
         raise MedusaError(f"--format: unknown format {fmt!r} (choose {', '.join(sorted(FORMATS))})")
     if model is not None and fmt not in TARGET_FORMATS:
         raise MedusaError(f"--model: only the {' and '.join(sorted(TARGET_FORMATS))} formats read the target model")
-    src = _check_heads(src)
+    if base is not None and fmt not in TARGET_FORMATS:
+        raise MedusaError(f"--base: only the {' and '.join(sorted(TARGET_FORMATS))} formats name the target model")
+    src = check_heads(src, fmt)
     _check_out(src, out)
     writer = FORMATS[fmt]
     if fmt in TARGET_FORMATS:
-        return atomic_dir(out, lambda tmp: writer(src, tmp, model=model))
+        if base is not None:
+            base_name(base)  # a bad --base is refused before anything is written
+        return atomic_dir(out, lambda tmp: writer(src, tmp, model=model, base=base))
     return atomic_dir(out, lambda tmp: writer(src, tmp))
 
 
@@ -233,7 +327,11 @@ def export_to_shipped(src: Path, force: bool = False, fmt: str = "native") -> tu
 
     if fmt != "native":
         raise MedusaError(f"--format: the shipped heads are stored in the native format, not {fmt!r}")
-    src = _check_heads(src)
+    src = check_heads(src)
+    from medusa.decoding.feature_heads import read_kind
+
+    if read_kind(src) == "feature":
+        raise MedusaError(f"--to-shipped: replaces the shipped Medusa heads, and {src} holds feature heads")
     dest = shipped_dir()
     if _inside(dest.resolve(), src.resolve()):
         raise MedusaError(f"--heads: {src} already is the shipped heads directory")
@@ -246,3 +344,100 @@ def export_to_shipped(src: Path, force: bool = False, fmt: str = "native") -> tu
         raise MedusaError(f"--to-shipped: refused, {'; '.join(problems)}; pass --force to replace them anyway")
     atomic_dir(dest, lambda tmp: FORMATS[fmt](src, tmp))
     return new, old
+
+
+# ---- the target, for other loaders ---------------------------------------------------------------------
+# Bytes per element of the safetensors dtypes (for the index's total_size).
+_ST_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+             "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+WEIGHTS_INDEX = "model.safetensors.index.json"
+_MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt")
+
+
+def write_base_model(model: str, out: Path) -> Path:
+    """Write target `model` (`default`, a folder, a .gguf file or a hub id) to `out`, atomically, in a layout
+    transformers 4.x reads (what FasterDecoding's and SafeAILab/EAGLE's loaders run on): config.json with
+    `rope_theta` (transformers 5 keeps it under `rope_parameters`), tokenizer_config.json with
+    `tokenizer_class: PreTrainedTokenizerFast`, tokenizer.json with BPE merges as "a b" strings, and a
+    model.safetensors.index.json mapping every tensor to its file (EAGLE reads the embeddings through it)."""
+    from medusa.decoding.model import resolve_model_dir
+
+    where = resolve_model_dir(model)
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise MedusaError(f"--base-model: {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").exists():
+        raise MedusaError(f"--base-model: {out} is a non-empty directory that holds no model; name a new or "
+                          "empty one")
+    src = Path(where)
+    if src.is_dir() and (_inside(out.resolve(), src.resolve()) or _inside(src.resolve(), out.resolve())):
+        raise MedusaError(f"--base-model: {out} must not be the model's own folder {src}, inside it or above it")
+
+    def fill(tmp: Path) -> None:
+        if src.is_dir() and any(src.glob("*.safetensors")):
+            for pattern in _MODEL_FILES:
+                for f in src.glob(pattern):
+                    if f.is_file() and f.name != "medusa_source.json":
+                        shutil.copy2(f, tmp / f.name)
+        else:  # a hub id, or a folder of .bin weights: load and save (transformers writes safetensors)
+            from medusa.decoding.model import load_target
+
+            hf_model, tokenizer = load_target(model, "fp32", "cpu")
+            hf_model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        legacy_model_files(tmp)
+
+    return atomic_dir(out, fill)
+
+
+def legacy_model_files(d: Path) -> None:
+    """Rewrite the model folder `d` (as transformers 5 saves it) so that transformers 4.x reads it too."""
+    from medusa.decoding.feature_formats import rope_fields
+    from medusa.io import write_json_atomic
+
+    cfg = json.loads((d / "config.json").read_text())
+    try:
+        cfg.update(rope_fields(cfg))
+    except MedusaError as exc:
+        raise MedusaError(f"--base-model: {exc}") from None
+    if "dtype" in cfg and "torch_dtype" not in cfg:
+        cfg["torch_dtype"] = cfg["dtype"]
+    write_json_atomic(d / "config.json", cfg)
+
+    if (d / "tokenizer.json").is_file():
+        tok = json.loads((d / "tokenizer.json").read_text())
+        m = tok.get("model") or {}
+        if m.get("type") == "BPE" and m.get("merges"):
+            merges = []
+            for pair in m["merges"]:
+                if isinstance(pair, list):
+                    if len(pair) != 2 or any(" " in part for part in pair):
+                        raise MedusaError(f"--base-model: the tokenizer's BPE merge {pair!r} cannot be written "
+                                          "as an \"a b\" string")
+                    pair = " ".join(pair)
+                merges.append(pair)
+            m["merges"] = merges
+            write_json_atomic(d / "tokenizer.json", tok)
+        tc_path = d / "tokenizer_config.json"
+        tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+        tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+        tc.pop("backend", None)
+        if "chat_template" not in tc and (d / "chat_template.jinja").is_file():
+            tc["chat_template"] = (d / "chat_template.jinja").read_text()  # 4.x before 4.43 reads it here
+        write_json_atomic(tc_path, tc)
+
+    files = sorted(d.glob("*.safetensors"))
+    if files and not (d / WEIGHTS_INDEX).is_file():
+        from safetensors import safe_open
+
+        weight_map, total = {}, 0
+        for f in files:
+            with safe_open(str(f), "pt") as st:
+                for key in st.keys():
+                    sl = st.get_slice(key)
+                    n = 1
+                    for dim in sl.get_shape():
+                        n *= dim
+                    total += n * _ST_BYTES.get(sl.get_dtype(), 4)
+                    weight_map[key] = f.name
+        write_json_atomic(d / WEIGHTS_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
