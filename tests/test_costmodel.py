@@ -18,10 +18,14 @@ def test_expected_accepted_matches_the_series():
     assert expected_accepted(1.0, 5) == 6.0
 
 
-@pytest.mark.parametrize("alpha, k", [(0.6, 4), (0.8, 2), (0.3, 1), (0.95, 7)])
-def test_speculation_pays_exactly_when_the_formula_says(alpha, k):
-    e = expected_accepted(alpha, k)
-    c_star = (e - 1) / k  # S = E / (1 + K c) = 1 here
+# (alpha, K, E = 1 + alpha + ... + alpha^K, break-even cost c* = (E - 1) / K), worked out by hand.
+BREAK_EVEN = [(0.6, 4, 2.3056, 0.3264), (0.8, 2, 2.44, 0.72), (0.3, 1, 1.3, 0.3),
+              (0.95, 7, 6.73159137421875, 0.8187987677455357)]
+
+
+@pytest.mark.parametrize("alpha, k, e, c_star", BREAK_EVEN)
+def test_speculation_pays_exactly_when_the_formula_says(alpha, k, e, c_star):
+    assert expected_accepted(alpha, k) == pytest.approx(e)
     assert analytic_speedup(alpha, k, c_star) == pytest.approx(1.0)
     assert pays(analytic_speedup(alpha, k, c_star * 0.99))
     assert not pays(analytic_speedup(alpha, k, c_star * 1.01))

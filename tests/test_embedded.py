@@ -106,11 +106,18 @@ def test_auto_mode_plans_from_the_shipped_heads_and_decodes_losslessly(embedded,
     plan = auto.plan(1)
     assert plan.reason and (plan.tree is None or plan.speedup >= 1.05)
     assert json.loads((tmp_path / "curve.json").read_text())["key"]["dtype"] == "fp32"
+    if plan.tree is None:  # plain predicted on this machine: decode with the heads' own tree instead,
+        from medusa.runtime.auto import Plan  # so that the tokens compared below come from speculation
+
+        forced = Plan(2, rt.heads.tree(), 1.0, 1.0, "the heads' own tree")
+        monkeypatch.setattr(auto, "_plans", lambda rows: forced)
     prompts = rt.encode(PROMPTS[:2])
     plain = rt.engine.generate(prompts, 32)
     mixed = rt.engine.generate(prompts, 32, policy=auto)
     assert [o.tokens for o in mixed.outputs] == [o.tokens for o in plain.outputs]
     assert sum(auto.steps.values()) == mixed.stats.steps
+    assert auto.steps["speculative"] > 0
+    assert sum(a * c for a, c in enumerate(mixed.stats.accept_hist)) > 0  # the shipped heads were accepted
 
 
 def test_generate_auto_json_reports_machine_dtype_and_plan(embedded, capsys, tmp_path, monkeypatch):

@@ -1,5 +1,7 @@
 """Sampling with speculation: rejection sampling keeps the target distribution exactly; typical does not."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -40,10 +42,26 @@ def exact_pairs(model, params: SamplingParams) -> torch.Tensor:
     return torch.stack([p1[a] * dist(PROMPT + [a]) for a in range(V)]).flatten()
 
 
-def sample_pairs(engine, proposer, params, n=6000) -> torch.Tensor:
-    gen = engine.generate([PROMPT] * n, 2, proposer, params)
+def seeded_rows(params: SamplingParams, n: int, seed: int = 0) -> list[SamplingParams]:
+    """`params` for `n` rows, each with a seed of its own: the statistical tests draw the same numbers on
+    every run, so they cannot fail by chance."""
+    return [dataclasses.replace(params, seed=seed + i) for i in range(n)]
+
+
+def sample(engine, proposer, params, n=6000, seed=0):
+    """Counts of each (first, second) output token pair over `n` seeded rows, and the run's stats."""
+    gen = engine.generate([PROMPT] * n, 2, proposer, seeded_rows(params, n, seed))
     pairs = torch.tensor([o.tokens[0] * V + o.tokens[1] for o in gen.outputs])
-    return torch.bincount(pairs, minlength=V * V).double()
+    return torch.bincount(pairs, minlength=V * V).double(), gen.stats
+
+
+def sample_pairs(engine, proposer, params, n=6000, seed=0) -> torch.Tensor:
+    return sample(engine, proposer, params, n, seed)[0]
+
+
+def accepted(stats) -> int:
+    """Candidates accepted over the run."""
+    return sum(a * c for a, c in enumerate(stats.accept_hist))
 
 
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -87,8 +105,10 @@ def test_plain_sampling_matches_exact_distribution(small):
 def test_rejection_sampling_is_lossless(small, kind):
     model, engine = small
     proposer = MedusaProposer(random_heads(model), load_tree("prior-8")) if kind == "tree" else SampledChain(3)
-    counts = sample_pairs(engine, proposer, PARAMS)
+    counts, stats = sample(engine, proposer, PARAMS)
     assert chi_square_pvalue(counts, exact_pairs(model, PARAMS)) > 1e-3
+    assert accepted(stats) > 0  # candidates were accepted (and rejected): acceptance itself was tested
+    assert stats.accept_hist[0] > 0
 
 
 def test_typical_acceptance_is_not_lossless(small):
@@ -96,8 +116,9 @@ def test_typical_acceptance_is_not_lossless(small):
     model, engine = small
     params = SamplingParams(temperature=1.0, acceptance="typical", typical_epsilon=0.3, typical_delta=0.5)
     proposer = MedusaProposer(random_heads(model), load_tree("prior-8"))
-    counts = sample_pairs(engine, proposer, params)
+    counts, stats = sample(engine, proposer, params)
     assert chi_square_pvalue(counts, exact_pairs(model, params)) < 1e-6
+    assert accepted(stats) > 0
 
 
 def test_top_k_and_top_p_restrict_the_support(small):

@@ -188,11 +188,59 @@ def check_concurrent_streams(server: str, rt, tokenizer, count: int) -> None:
     assert [got[i][0] for i in greedy] == [expected[i] for i in greedy]
     sampled = [i for i, job in enumerate(jobs) if job[2] > 0]
     assert sum(got[i][0] != expected[i] for i in sampled) >= len(sampled) - 1
-    metrics = httpx.get(server + "/metrics", timeout=10).text
-    # Under this load the dynamic policy used both modes.
-    assert _metric(metrics, 'medusa_steps_total{mode="medusa"}') > 0
-    assert _metric(metrics, 'medusa_steps_total{mode="plain"}') > 0
     assert httpx.get(server + "/health", timeout=10).json()["running"] == 0
+
+
+def test_dynamic_policy_switches_by_load(rt, tokenizer):
+    """Under load past the high watermark the dynamic policy decodes plainly, and once the load falls to
+    the low watermark it speculates again. The engine's first step waits until every request is queued,
+    so the load each step sees does not depend on how fast the clients connect: 16 short requests and one
+    long one, which runs on alone (load 1) long after the others are done."""
+    jobs = [(f"Short request {i} about topic {i * 5 % 11}", 2 + i % 4) for i in range(16)]
+    jobs.append(("One long request that keeps going", 60))
+    app = create_app(ServeConfig(dtype="fp32", max_batch=8, max_context=512, max_queue=64,
+                                 policy=DYNAMIC_POLICY), rt)
+    sched = app.state.server.scheduler
+    submit, decide = sched.submit, sched.policy.decide
+    submitted, everyone_queued, decisions = [], threading.Event(), []
+
+    def counting_submit(*reqs):
+        submit(*reqs)
+        submitted.extend(reqs)
+        if len(submitted) == len(jobs):
+            everyone_queued.set()
+
+    def recording_decide(running: int, queued: int):
+        if not decisions:
+            assert everyone_queued.wait(CLIENT_TIMEOUT), "not every request reached the queue"
+        decision = decide(running, queued)
+        decisions.append((running + queued, decision))
+        return decision
+
+    sched.submit, sched.policy.decide = counting_submit, recording_decide
+
+    async def one(c: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> int:
+        r = await c.completions.create(model="default", prompt=prompt, max_tokens=max_tokens)
+        return r.usage.completion_tokens
+
+    async def main() -> list[int]:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=CLIENT_TIMEOUT) as c:
+            return await asyncio.gather(*(one(c, *job) for job in jobs))
+
+    with running_server(app) as url:
+        assert asyncio.run(main()) == [m for _, m in jobs]
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+    high, low = DYNAMIC_POLICY["high_watermark"], DYNAMIC_POLICY["low_watermark"]
+    by_load = [i for i, (load, d) in enumerate(decisions) if d.mode == "plain" and d.reason.startswith("load")]
+    assert by_load and by_load[0] == 0 and decisions[0][0] >= high, decisions[:3]  # switched off by load
+    back_on = [i for i, (_, d) in enumerate(decisions) if d.mode == "medusa" and i > by_load[-1]]
+    assert back_on, "speculation never came back once the load fell"
+    assert decisions[by_load[-1] + 1][0] <= low  # switched back on at the low watermark, not before
+    assert all(load >= low for load, _ in decisions[:by_load[-1] + 1])
+    assert _metric(metrics, 'medusa_steps_total{mode="plain"}') >= len(by_load)
+    assert _metric(metrics, 'medusa_steps_total{mode="medusa"}') == len(
+        [d for _, d in decisions if d.mode == "medusa"]) > 0
 
 
 def _metric(text: str, name: str) -> float:
@@ -456,7 +504,16 @@ def test_non_streaming_disconnect_frees_the_slot(rt):
         body = {"model": "default", "prompt": "Count forever:", "max_tokens": 4000}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + "/v1/completions", json=body, timeout=0.5)
-        assert _wait(lambda: _running(url) == 0)
+        finished = 'medusa_requests_total{reason="%s"}'
+
+        def done(reason: str) -> float:
+            text = httpx.get(url + "/metrics", timeout=10).text
+            return _metric(text, finished % reason) if finished % reason in text else 0.0
+
+        # Ended by the disconnect, not by running out its 4000 tokens: the row was cancelled.
+        assert _wait(lambda: done("cancelled") + done("length") > 0, timeout=120)
+        assert (done("cancelled"), done("length")) == (1, 0)
+        assert _running(url) == 0
 
 
 def test_cli_serves_a_model_directory(tmp_path, tokenizer):

@@ -256,20 +256,29 @@ def test_requests_joining_a_running_batch_get_their_solo_tokens(rt, tokenizer, m
     policy = {"mode": mode, "trees": {1: "tree-16"}} if mode == "medusa" else {"mode": "plain"}
     app = app_for(rt, policy=policy)
     sched = app.state.server.scheduler
+    jobs, pending = [], []
+    for i, p in enumerate(joiners):
+        got = Collector()
+        req = Request(tokenizer(p)["input_ids"], 30 - 8 * (i + 1), got, tag=f"join{i}")
+        req.logprobs = 3
+        jobs.append((p, req, got))
+        pending.append((4 + 6 * i, req))
+    first = Collector()
+
+    def runner_event(ev) -> None:
+        """Each joiner is queued, from the runner's own events, once the runner has decoded a few tokens
+        (and the previous joiner is in the batch): it joins at the next step boundary, however slow the
+        machine."""
+        first(ev)
+        while pending and len(runner.tokens) >= pending[0][0] and not runner.done:
+            sched.submit(pending.pop(0)[1])
+
+    runner = Request(tokenizer(long_prompt)["input_ids"], 30, runner_event, tag="runner")
     with running_server(app):
-        first = Collector()
-        runner = Request(tokenizer(long_prompt)["input_ids"], 30, first, tag="runner")
         sched.submit(runner)
-        jobs = []
-        for i, p in enumerate(joiners):
-            got = Collector()
-            req = Request(tokenizer(p)["input_ids"], 30 - 8 * (i + 1), got, tag=f"join{i}")
-            req.logprobs = 3
-            # Join once the runner has decoded a few tokens (and the previous joiner is in the batch).
-            assert _wait(lambda: len(runner.tokens) >= 4 + 6 * i and not runner.done, timeout=30)
-            sched.submit(req)
-            jobs.append((p, req, got))
         assert first.result().finish_reason == "length" and runner.tokens == want[long_prompt]
+        assert not pending, "a joiner was never queued"
+        assert all(req.first_token_at > runner.first_token_at for _, req, _ in jobs)  # joined mid-run
         for p, req, got in jobs:
             assert got.result().finish_reason == "length"
             assert req.tokens == want[p][: req.max_tokens]

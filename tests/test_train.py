@@ -49,7 +49,9 @@ def test_config_rejects_unknown_and_bad_keys(tmp_path):
 def test_shipped_configs_validate():
     from medusa.train.config import load_config
 
-    for path in sorted((REPO / "configs" / "train").glob("*.yaml")):
+    paths = sorted((REPO / "configs" / "train").glob("*.yaml"))
+    assert paths, "no training configs found under configs/train"
+    for path in paths:
         load_config(path)
 
 
