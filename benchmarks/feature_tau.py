@@ -111,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         import platform
 
-        from medusa.decoding.hardware import machine
+        from medusa.decoding.hardware import provenance
         from medusa.io import write_json_atomic
 
-        out = {"cpu": machine().to_dict(), "python": platform.python_version(), "torch": torch.__version__,
+        out = {**provenance(rt.dtype.name, machine_=rt.machine),
+               "python": platform.python_version(), "torch": torch.__version__,
                "threads": args.threads, "dtype": args.dtype, "prompts": args.prompts, "num_prompts": len(prompts),
                "max_new_tokens": args.max_new_tokens, "results": rows}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

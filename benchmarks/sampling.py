@@ -9,12 +9,13 @@ Medusa (shipped heads) and the draft model, at temperature 0.7 on MT-bench first
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
 
 from medusa.decoding.draft import DraftProposer, load_draft
+from medusa.decoding.hardware import provenance
+from medusa.io import write_json_atomic
 from medusa.prompts import load_prompts
 from medusa.runtime import Runtime
 from medusa.decoding.sampling import SamplingParams
@@ -61,9 +62,9 @@ def main() -> None:
             print(f"bs={bs:<3} {name:18s} {tps:7.1f} tok/s  tau {rows[-1]['mean_accepted']:.2f}  "
                   f"speedup {rows[-1]['speedup_vs_plain']:.2f}x", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-                       "prompts": len(prompts), "results": rows}, f, indent=2)
+        write_json_atomic(args.out, {**provenance(rt.dtype.name, machine_=rt.machine),
+                                     "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+                                     "prompts": len(prompts), "results": rows})
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import yaml
 
 from server_process import ServerProcess, counter
 
+from medusa.decoding.hardware import provenance
 from medusa.io import write_json_atomic
 
 POLICIES = {"on": "medusa", "off": "plain", "dynamic": "dynamic"}
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers.values():
             s.stop()
-    result = {"model": args.model, "heads": args.heads, "dtype": args.dtype, "max_tokens": args.max_tokens,
+    result = {"model": args.model, "heads": args.heads, "dtype": args.dtype, **provenance(args.dtype),
+              "max_tokens": args.max_tokens,
               "levels": levels, "results": table, "verdict": verdict(table, levels)}
     print(markdown(table, levels))
     print(json.dumps(result["verdict"], indent=1))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 from dataclasses import asdict
 
 from soak_requests import Tally
@@ -87,6 +86,8 @@ def pct(values: list[float], q: float) -> float | None:
 
 def build_report(args: argparse.Namespace, t: Tally, warm: Tally, elapsed: float, health: dict,
                  rss_before: float, rss_after: float, metrics: dict, log_tail: str, greedy: dict) -> dict:
+    from medusa.decoding.hardware import provenance
+
     growth = (rss_after - rss_before) / rss_before
     near_ties = sum(j["near_tie"] for j in greedy["judged"])
     verdict = {"lost": t.lost + warm.lost, "server_errors": t.server_errors + warm.server_errors,
@@ -103,7 +104,7 @@ def build_report(args: argparse.Namespace, t: Tally, warm: Tally, elapsed: float
     summary.pop("mismatches")
     summary["retry_after"] = sorted(set(t.retry_after))
     return {
-        "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
+        **provenance(args.dtype, threads=1),  # the server's settings (benchmarks/soak.py server_config)
         "cpu": cpu_info(),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "seconds": round(elapsed, 1),

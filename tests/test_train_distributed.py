@@ -25,16 +25,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(config: Path, procs: int, extra: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def _launch(config: Path, procs: int, extra: list[str], env_extra: dict | None = None,
+            probe: Path | None = None) -> subprocess.CompletedProcess:
+    """`medusa train` in `procs` processes; with `probe`, each rank records there what it trained on."""
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests"),
            **(env_extra or {})}
+    entry = ["-m", "medusa.cli"] if probe is None else [str(REPO / "tests" / "rank_data_probe.py"), str(probe)]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", f"--master_port={_free_port()}",
-           "-m", "medusa.cli", "train", "--config", str(config), *extra]
+           *entry, "train", "--config", str(config), *extra]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
 
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "ddp"])
-def test_two_processes_match_one(tmp_path, launcher):
+def test_two_processes_match_one(tmp_path, launcher, monkeypatch):
+    import rank_data_probe
     from medusa.train.config import load_config
     from medusa.train.trainer import run_training
 
@@ -42,12 +46,33 @@ def test_two_processes_match_one(tmp_path, launcher):
     data = fake_distilled(tmp_path / "data", model, n=16)
     common = dict(max_steps=6, batch_size=32, grad_accum=2, checkpoint_every=100)
     single = load_config(write_config(tmp_path / "one.yaml", model, data, tmp_path / "one", **common))
+    monkeypatch.delenv("RANK", raising=False)
+    rank_data_probe.install(tmp_path / "probe-one", setattr=monkeypatch.setattr)
     run_training(single)
+    monkeypatch.undo()
     two = write_config(tmp_path / "two.yaml", model, data, tmp_path / "two", **common)
     extra = ZERO2 if launcher == "deepspeed" else []
-    proc = _launch(two, 2, extra)
+    proc = _launch(two, 2, extra, probe=tmp_path / "probe-two")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    _ranks_split_the_data(rank_data_probe.read(tmp_path / "probe-one"),
+                          [rank_data_probe.read(tmp_path / "probe-two", r) for r in (0, 1)])
     _same_heads(tmp_path / "one" / "heads", tmp_path / "two" / "heads", rtol=1e-3, atol=1e-4)
+
+
+def _ranks_split_the_data(one: dict, ranks: list[dict]) -> None:
+    """Every step, the two ranks trained on disjoint halves of what the single process trained on; over the
+    first epoch that is every example the epoch draws, each once."""
+    steps = sorted(one["steps"])
+    assert steps == list(range(6)) and all(sorted(r["steps"]) == steps for r in ranks)
+    for step in steps:
+        a, b = (set(r["steps"][step]) for r in ranks)
+        assert len(ranks[0]["steps"][step]) == len(ranks[1]["steps"][step]) == one["unit"] // 2
+        assert not a & b, f"step {step}: both ranks trained on items {sorted(a & b)[:10]}"
+        assert a | b == set(one["steps"][step]), f"step {step}: the ranks did not cover the global batch"
+    first_epoch = [i for step in steps[:one["per_epoch"]] for i in one["steps"][step]]
+    assert one["per_epoch"] < len(steps)  # the run goes past one epoch
+    assert len(first_epoch) == len(set(first_epoch)) == one["per_epoch"] * one["unit"]
+    assert set(first_epoch) <= set(range(one["items"]))
 
 
 def _same_heads(dir_a: Path, dir_b: Path, rtol: float = 1e-4, atol: float = 1e-5) -> None:

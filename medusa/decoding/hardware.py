@@ -8,6 +8,7 @@ and is faster in fp32. `--dtype auto` (the default everywhere) asks this module.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import platform
@@ -96,6 +97,32 @@ def machine(device: torch.device | str = "cpu") -> Machine:
                        torch.cuda.is_bf16_supported(), torch.get_num_threads())
     return Machine(device.type, cpu_name(), torch.backends.cpu.get_cpu_capability(), cpu_native_bf16(),
                    torch.get_num_threads())
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that is running, shell-quoted; an installed entry point (`medusa`) by its name only."""
+    import shlex
+    from pathlib import Path
+
+    argv = list(sys.argv if argv is None else argv)
+    if argv and Path(argv[0]).parent == Path(sys.executable).parent:
+        argv[0] = Path(argv[0]).name
+    return shlex.join(argv)
+
+
+def provenance(dtype: str | torch.dtype | None, device: torch.device | str = "cpu",
+               machine_: Machine | None = None, threads: int | None = None) -> dict:
+    """What every written result carries: the machine it was measured on (with the dtype it decoded in and,
+    given `threads`, the threads of the process measured when that is not this one) and the command line
+    that produced it."""
+    m = machine_ or machine(device)
+    if threads is not None:
+        m = dataclasses.replace(m, threads=threads)
+    if isinstance(dtype, torch.dtype):
+        dtype = SHORT_NAMES.get(dtype, str(dtype))
+    elif dtype is not None:
+        dtype = _short_name(dtype) or str(dtype)
+    return {"machine": {**m.to_dict(), "dtype": dtype}, "command": command_line()}
 
 
 def _short_name(spelling: str) -> str | None:

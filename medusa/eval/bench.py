@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from medusa.decoding.hardware import DTYPE_CHOICES
+from medusa.decoding.hardware import DTYPE_CHOICES, provenance
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
 from medusa.prompts import load_prompts
 from medusa.decoding.tree import chain, load_tree
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     curve = tree_pass_curve(rt)
     ours = [m for m in methods if m != "hf_generate"]
     res = {"model": rt.hf_model.name_or_path, "dtype": rt.dtype.name, "dtype_reason": rt.dtype.reason,
-           "machine": rt.machine.to_dict(), "device": str(rt.model.device),
+           **provenance(rt.dtype.name, machine_=rt.machine), "device": str(rt.model.device),
            "threads": torch.get_num_threads(), "prompts": len(prompts), "max_new_tokens": n_new,
            "auto_plan": rt.auto(1, progress=False).plan(1).to_dict(),
            "tokens_per_s": {m: statistics.median(v) for m, v in rates.items()},

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from medusa.decoding.hardware import provenance
 from medusa.errors import MedusaError
 from medusa.eval.config import HF, OURS, EvalConfig, MethodSpec
 from medusa.eval.cost_inputs import build_cost_model
@@ -69,7 +70,8 @@ def _runtime(cfg: EvalConfig, needs_heads: bool) -> Runtime:
 
 def _report(rt: Runtime, cfg: EvalConfig, num_prompts: int, results: list[dict], cost: dict) -> dict:
     return {"model": getattr(rt.hf_model, "name_or_path", cfg.model), "device": str(rt.model.device),
-            "dtype": rt.dtype.name, "machine": rt.machine.to_dict(), "threads": torch.get_num_threads(),
+            "dtype": rt.dtype.name, **provenance(rt.dtype.name, machine_=rt.machine),
+            "threads": torch.get_num_threads(),
             "prompts": cfg.prompts,
             "num_prompts": num_prompts, "max_new_tokens": cfg.max_new_tokens,
             "batch_sizes": cfg.batch_sizes, "repeats": cfg.repeats,
