@@ -56,11 +56,15 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(app, timeout: float = 30.0) -> Iterator[str]:
-    """Serve `app` with uvicorn in a thread; yields the base URL; stops the server afterwards."""
+    """Serve `app` with uvicorn in a thread, configured as `medusa serve` configures it (connection
+    deadlines included); yields the base URL; stops the server afterwards."""
     import uvicorn
 
+    from medusa.serve.connection import uvicorn_config
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, app.state.server.cfg, host="127.0.0.1", port=port,
+                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
@@ -596,3 +600,56 @@ def test_prefill_budget_spreads_admission_over_steps(rt):
     # Padded cost = rows x longest prompt <= 64, except a single over-long prompt.
     assert rounds == [[20, 20, 20], [5], [100], [10]]
     assert sched.batch.n == len(lengths)
+
+
+def _raw(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=CLIENT_TIMEOUT)
+    return sock
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (the socket's timeout bounds the wait)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_half_sent_requests_are_closed_and_dropped_bodies_are_cancellations(rt):
+    """A socket that stops inside its headers is closed; one that stops inside its body gets 408 and is
+    closed; one that disconnects mid-body is a cancelled request (one INFO line), never a server error."""
+    with serve(rt, header_timeout_s=0.5, body_timeout_s=0.5, keepalive_timeout_s=0.5) as url:
+        with _raw(url) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+            assert _read_all(sock) == b""  # closed by the server, without a response
+        with _raw(url) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
+            reply = _read_all(sock)
+        assert reply.startswith(b"HTTP/1.1 408") and b"body_timeout" in reply
+        with _raw(url) as sock:  # keep-alive: idle after a complete request, then closed
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_all(sock).startswith(b"HTTP/1.1 200")
+        before = _metric(httpx.get(url + "/metrics", timeout=10).text, 'medusa_responses_total{outcome="cancelled"}')
+        with _raw(url) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"prompt\"")
+        assert _wait(lambda: _metric(httpx.get(url + "/metrics", timeout=10).text,
+                                     'medusa_responses_total{outcome="cancelled"}') == before + 1, 60)
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert _metric(metrics, 'medusa_responses_total{outcome="server_error"}') == 0
+        assert _metric(metrics, 'medusa_responses_total{outcome="client_timeout"}') == 1
+
+
+def test_head_health(server):
+    r = httpx.head(server + "/health", timeout=10)
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_a_cut_inside_a_character_drops_its_bytes(tokenizer):
+    """max_tokens can end a request inside a multi-byte character: the text ends before it, not with U+FFFD."""
+    from medusa.serve.detokenize import IncrementalText
+
+    ids = tokenizer("Hi \U0001F600", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids[:-1]).endswith("\ufffd")  # the emoji's bytes span tokens here
+    assert IncrementalText().extend(tokenizer, ids[:-1], final=True) == "Hi "
+    assert IncrementalText().extend(tokenizer, ids, final=True) == "Hi \U0001F600"

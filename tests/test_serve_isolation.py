@@ -232,13 +232,15 @@ def test_engine_fault_fails_the_batch_and_health_says_so(rt):
 def test_retry_after_follows_the_drain_rate(rt):
     sched = app_for(rt, max_batch=2).state.server.scheduler
     now = time.monotonic()
-    sched.started_at = now - 100
     assert sched.retry_after() == 1  # free rows: no wait
     sched.running = {1: None, 2: None}
     sched.queue.extend([None] * 5)
     assert sched.retry_after() == 120  # nothing finished lately: no evidence of an early row
-    sched.completions.extend([now - 1] * 10)  # 10 rows freed in the last 30 s
+    sched.completions.extend([now - 29.5 + 3 * i for i in range(10)])  # about one row freed every 3 s
     assert sched.retry_after() == 18  # 6 ahead (5 queued + this one) at one per 3 s
+    sched.completions.clear()
+    sched.completions.extend([now - 2] * 5)  # a burst after an idle spell: 5 rows in the last 2 s
+    assert sched.retry_after() == 3  # 6 ahead at 2.5 per s, not at 5 per 30 s (36 s)
     sched.completions.extend([now - 1] * 290)
     assert sched.retry_after() == 1
     sched.completions.clear()

@@ -34,7 +34,6 @@ class Admission:
     max_queue: int
     queue_timeout_s: float
     prefill_budget: int
-    started_at: float
     completions: deque[float]  # monotonic times rows were freed
 
     # ---- called from the HTTP side -------------------------------------------------------------------
@@ -62,7 +61,8 @@ class Admission:
 
     def retry_after(self) -> int:
         """Seconds until a new request would likely get a row: the requests ahead of it over the rate rows
-        were freed in the last DRAIN_WINDOW_S, clamped to [1, RETRY_AFTER_MAX_S]."""
+        were freed at in the last DRAIN_WINDOW_S (from the oldest of those completions to now), clamped to
+        [1, RETRY_AFTER_MAX_S]."""
         now = time.monotonic()
         with self.cond:
             ahead = len(self.queue) + 1 - max(self.max_batch - len(self.running), 0)
@@ -71,10 +71,12 @@ class Admission:
             freed = len(self.completions)
         if ahead <= 0:
             return 1
-        window = min(DRAIN_WINDOW_S, max(now - self.started_at, 1.0))
         if freed == 0:  # nothing drained lately: no evidence of an early slot
             return RETRY_AFTER_MAX_S
-        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(ahead * window / freed)))
+        # The rate over the span the window's completions cover (a burst after an idle spell drains at the
+        # burst's rate, not at the burst spread over the whole window).
+        span = max(now - self.completions[0], 1.0)
+        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(ahead * span / freed)))
 
     # ---- the engine thread, at a step boundary ------------------------------------------------------
     def _take_admissible(self) -> list[Request]:

@@ -81,7 +81,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def add_routes(app: FastAPI, server: Server) -> None:
-    @app.get("/health", responses={503: {"description": "the decoding engine failed and has not recovered"}})
+    @app.api_route("/health", methods=["GET", "HEAD"], responses={503: {"description": "the decoding engine failed and has not recovered"}})
     async def health() -> Response:
         running, queued = server.scheduler.load
         body = {"status": "ok", "model": server.name, "running": running, "queued": queued,
@@ -111,7 +111,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
 
 async def handle(server: Server, http: HttpRequest, chat: bool) -> Response:
     """A completion route: the body read within its size limit, prepared in a worker thread, answered."""
-    raw = await read_body(http, server.cfg.max_body_bytes)
+    raw = await read_body(http, server.cfg.max_body_bytes, server.cfg.body_timeout_s)
     body, prompt, limit, param = await anyio.to_thread.run_sync(server.prepare, raw, chat)
     return await respond(server, http, body, prompt, limit, param, chat)
 

@@ -4,31 +4,46 @@ nesting depth and text encoding, then the request model's types and bounds (400)
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
+import anyio
 from fastapi import Request as HttpRequest
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from medusa.io import problem
 from medusa.serve.errors import ApiError
 
 MAX_JSON_DEPTH = 16  # the deepest valid body is 5 levels (messages -> message -> content -> part)
+log = logging.getLogger("medusa.serve.app")
 MAX_PARAM_ECHO = 64  # characters of a client-chosen field name quoted back in an error
 
 
-async def read_body(http: HttpRequest, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+async def read_body(http: HttpRequest, limit: int, timeout_s: float) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes, with 408 when it
+    is not complete within `timeout_s`; a client that disconnects before sending it all has cancelled its
+    request (499: counted as cancelled, logged as one line, never a server error)."""
     too_large = ApiError(413, f"request body is larger than this server's limit of {limit} bytes", None,
                          "request_too_large")
     declared = http.headers.get("content-length", "")
     if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
         raise too_large
     chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        with anyio.fail_after(timeout_s):
+            async for chunk in http.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"request body not complete within {timeout_s:g} s", None, "body_timeout") from None
+    except ClientDisconnect:
+        log.info("request %s cancelled: the client disconnected after %d body bytes",
+                 http.scope.get("state", {}).get("request_id", "?"), size)
+        raise ApiError(499, "client disconnected before the request body was complete", None,
+                       "client_disconnected") from None
     return b"".join(chunks)
 
 

@@ -30,6 +30,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="rows decoded together (config max_batch, default 32)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: "
                    "$MEDUSA_API_KEY if set); /health and /metrics stay open")
+    p.add_argument("--header-timeout", dest="header_timeout_s", type=float, default=None, metavar="S",
+                   help="close a connection whose request headers take longer than S seconds (default 10)")
+    p.add_argument("--body-timeout", dest="body_timeout_s", type=float, default=None, metavar="S",
+                   help="answer 408 when a request body takes longer than S seconds (default 30)")
+    p.add_argument("--keepalive-timeout", dest="keepalive_timeout_s", type=float, default=None, metavar="S",
+                   help="close an idle keep-alive connection after S seconds (default 5)")
     p.add_argument("--policy", default=None, choices=["dynamic", "medusa", "draft", "plain"],
                    help="speculation policy (default dynamic)")
     p.add_argument("--cost-model", default=None, help="evaluator cost-model JSON for the dynamic policy")
@@ -40,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     keys = ("model", "heads", "draft", "dtype", "device", "threads", "host", "port", "docs", "served_model_name",
-            "max_context", "max_batch", "api_key")
+            "max_context", "max_batch", "api_key", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s")
     cfg = load_config(args.config, {k: getattr(args, k) for k in keys})
     if args.policy or args.cost_model:
         policy = cfg.policy.model_dump()
@@ -53,10 +59,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from medusa.serve.app import create_app
+    from medusa.serve.connection import uvicorn_config
 
     set_engine_threads(cfg)
     app = create_app(cfg)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    uvicorn.Server(uvicorn_config(app, cfg, host=cfg.host, port=cfg.port, log_level=cfg.log_level)).run()
     return 0
 
 

@@ -80,6 +80,12 @@ class ServeConfig(BaseModel):
     # Largest request body accepted (bytes); larger ones get 413 before they are read. 1 MiB holds any
     # prompt that fits a 2048-token context many times over.
     max_body_bytes: int = Field(1 << 20, ge=1024)
+    # Connection deadlines (medusa.serve.connection): a request's headers must arrive within
+    # header_timeout_s of its first byte and its body within body_timeout_s of its headers (408), and an
+    # idle keep-alive connection is closed after keepalive_timeout_s.
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    keepalive_timeout_s: float = Field(5.0, gt=0)
     # Clients must send `Authorization: Bearer <api_key>` on /v1/* (401 otherwise); /health and /metrics stay
     # open. Unset: the MEDUSA_API_KEY environment variable, if set, is the key; else no key is needed.
     api_key: str | None = Field(None, min_length=1)

@@ -23,13 +23,16 @@ class IncrementalText:
     read: int = 0
 
     def extend(self, tokenizer: Any, tokens: list[int], final: bool = False) -> str:
-        """The text the tokens after `read` add ('' while they end inside a character, unless `final`)."""
+        """The text the tokens after `read` add ('' while they end inside a character; once `final`, the
+        bytes of an unfinished last character are dropped, not shown as U+FFFD)."""
         if self.read >= len(tokens):
             return ""
         before = tokenizer.decode(tokens[self.prefix: self.read], **DECODE)
         after = tokenizer.decode(tokens[self.prefix:], **DECODE)
         if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
             return ""  # nothing visible yet, or half a character: wait for the next tokens
+        if final:  # the request ended inside a character (say, cut by max_tokens): drop those bytes
+            after = after.rstrip("\ufffd")
         self.prefix, self.read = self.read, len(tokens)
         return after[len(before):]
 

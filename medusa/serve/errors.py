@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 OUTCOME = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-           413: "too_large", 429: "queue_full", 499: "cancelled", 503: "unavailable"}
+           408: "client_timeout", 413: "too_large", 429: "queue_full", 499: "cancelled", 503: "unavailable"}
 # Every label `outcome_of` can give (the metrics create them all up front, so each series starts at 0).
 OUTCOMES = ("ok", *OUTCOME.values(), "queue_timeout", "server_error", "client_error")
 

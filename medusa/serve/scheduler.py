@@ -59,7 +59,6 @@ class Scheduler(Admission):
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.steps = 0
-        self.started_at = time.monotonic()
         self.completions: deque[float] = deque(maxlen=4096)  # monotonic times rows were freed
         self.fault: str | None = None  # set while the engine is unhealthy: what failed
         self.probed_at = 0.0
