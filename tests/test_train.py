@@ -277,6 +277,32 @@ def test_distill_extends_with_more_sources_keeping_every_answered_shard(tiny, tm
         run_distill(other, show_progress=False)
 
 
+def test_distill_batch_size_auto_reads_the_calibrated_curve(monkeypatch, tmp_path):
+    """auto: the smallest measured batch size within 5% of the best answer tokens per second, B / ms(B, 1);
+    never more rows than prompts; a number is taken as it is."""
+    from medusa.runtime import calibrate
+    from medusa.train import distill
+    from medusa.train.config import TrainConfig
+
+    ms = {8: 10.0, 16: 12.0, 32: 20.0, 64: 38.0, 128: 80.0}  # tokens/ms: 0.8, 1.33, 1.6, 1.68, 1.6
+    asked = []
+
+    def fake(rt, batch_sizes=None, tokens=None, **_):
+        asked.append((batch_sizes, tokens))
+        return calibrate.Calibration({}, {(b, 1): v for b, v in ms.items()})
+
+    monkeypatch.setattr(calibrate, "load_or_measure", fake)
+    cfg = TrainConfig(run_dir=str(tmp_path))
+    assert cfg.data.distill_batch_size == "auto"
+    assert distill.distill_batch_size(cfg, None, 1000) == 32  # 1.6 >= 0.95 x 1.68
+    assert asked == [(distill.DISTILL_BATCH_SIZES, [1])]
+    ms[32] = 24.0  # 1.33: now only 64 is within 5%
+    assert distill.distill_batch_size(cfg, None, 1000) == 64
+    assert distill.distill_batch_size(cfg, None, 20) == 20
+    fixed = TrainConfig(run_dir=str(tmp_path), data={"distill_batch_size": 12})
+    assert distill.distill_batch_size(fixed, None, 1000) == 12 and len(asked) == 3
+
+
 def test_later_sharegpt_turns_are_prompts_of_their_own():
     from medusa.train.data import later_turns
 
