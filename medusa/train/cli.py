@@ -173,7 +173,8 @@ def summary(result: dict) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from medusa.train.export import check_heads, export, export_to_shipped, shipped_dir, write_base_model
+    from medusa.train.base_model import write_base_model
+    from medusa.train.export import check_heads, export, export_to_shipped, shipped_dir
 
     if args.heads is None and (args.out or args.to_shipped):
         raise MedusaError("--heads: name the heads to export (a directory, a hub id, default, medusa or feature)")
