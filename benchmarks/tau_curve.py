@@ -5,8 +5,8 @@
         --series "8232 prompts, distilled=benchmarks/results/feature_tau_8k.json"
 
 Each FILE is a `benchmarks/feature_tau.py --json` result (or an object of them); every result row with a
-`trained_tokens` count is one point (x: trained positions, y: tau), series by its label. `--method-filter`
-keeps the rows whose method contains the text (e.g. a tree shape).
+`trained_tokens` count is one point (x: trained positions, y: tau), series by its label. A series written
+`LABEL=FILES|TEXT` keeps only the rows whose method contains TEXT (a run directory, a tree shape).
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ def points(files: list[str], method_filter: str | None) -> list[tuple[int, float
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--series", action="append", required=True, metavar="LABEL=FILE[,FILE...]")
-    ap.add_argument("--method-filter", default=None)
+    ap.add_argument("--series", action="append", required=True, metavar="LABEL=FILE[,FILE...][|TEXT]")
     ap.add_argument("--title", default="Feature head: tau against training (dynamic-16x5, bs 1, greedy)")
     ap.add_argument("--out", required=True, help="PNG file")
     args = ap.parse_args()
@@ -53,8 +52,9 @@ def main() -> int:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for spec in args.series:
-        label, _, files = spec.partition("=")
-        pts = points(files.split(","), args.method_filter)
+        label, _, rest = spec.partition("=")
+        files, _, method_filter = rest.partition("|")
+        pts = points(files.split(","), method_filter or None)
         if not pts:
             print(f"no points with trained_tokens in {files}", file=sys.stderr)
             return 2

@@ -1,6 +1,6 @@
 """Training throughput on this machine, side by side in one run, for the three costly steps of making heads:
 
-    python benchmarks/train_throughput.py feature --steps 30      # medusa train-feature: fp32 vs bf16 autocast
+    python benchmarks/train_throughput.py feature --steps 30 --rev 05335ee   # train-feature: then vs fp32 vs auto
     python benchmarks/train_throughput.py distill --prompts 256   # medusa distill: batch 16 vs auto
     python benchmarks/train_throughput.py medusa --steps 10       # medusa train: cached hidden states vs live
 
@@ -50,6 +50,54 @@ def feature_rows(config: str, steps: int, batch: int | None, overrides: list[str
                      "train_seconds": round(result["train_seconds"], 2),
                      "positions_per_s": round(result["trained_tokens"] / max(result["train_seconds"], 1e-9), 1)})
     return rows
+
+
+REV_SNIPPET = """
+import json, sys, time
+sys.path.insert(0, sys.argv[4])  # the revision's tree, ahead of an editable install of the current one
+sys.meta_path = [f for f in sys.meta_path if "editable" not in getattr(f, "__name__", type(f).__name__).lower()]
+import medusa
+from medusa.train.feature import load_feature_config, run_feature_training
+assert medusa.__file__.startswith(sys.argv[4]), f"imported {medusa.__file__}, not the revision's package"
+config, overrides = sys.argv[1], json.loads(sys.argv[2])
+out = []
+for steps in (1, 1, int(sys.argv[3]) + 1):  # the first run also builds any cache this revision reads
+    cfg = load_feature_config(config, overrides + [f"max_steps={steps}", f"checkpoint_every={steps + 1}"])
+    t0 = time.perf_counter()
+    result = run_feature_training(cfg, progress=False)
+    out.append((time.perf_counter() - t0, result["trained_tokens"]))
+print(json.dumps(out))
+"""
+
+
+def feature_rev_row(config: str, steps: int, batch: int | None, overrides: list[str], rev: str) -> dict:
+    """The same measurement with the package as it was at git revision `rev` (its default precision), by
+    difference: a (steps + 1)-step run minus a 1-step run, so loading the target and the cached features,
+    which both pay alike, drops out (after a first 1-step run that builds whatever cache the revision
+    reads). Runs in a temporary git worktree."""
+    import shutil
+    import subprocess
+
+    wt = Path(tempfile.mkdtemp(prefix="medusa-rev-"))
+    subprocess.run(["git", "worktree", "add", "--detach", str(wt), rev], check=True, capture_output=True)
+    try:
+        with tempfile.TemporaryDirectory() as run_dir:
+            cfg0 = __import__("medusa.train.feature", fromlist=["x"]).load_feature_config(config, overrides)
+            _with_cache(Path(cfg0.run_dir) / "features", "features", run_dir)
+            extra = [f"run_dir={run_dir}", "wandb.mode=disabled", "data.eval_fraction=0", "log_every=100000"]
+            extra += [f"batch_size={batch}"] if batch else []
+            env = {**os.environ, "PYTHONPATH": str(wt)}
+            proc = subprocess.run([sys.executable, "-c", REV_SNIPPET, str(Path(config).resolve()),
+                                   json.dumps(overrides + extra), str(steps), str(wt)], env=env,
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(f"--rev {rev}: the measurement failed:\n{proc.stderr[-2000:]}")
+        _, (t1, p1), (tn, pn) = json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(wt)], capture_output=True)
+        shutil.rmtree(wt, ignore_errors=True)
+    return {"what": "train-feature", "precision": f"as at {rev}", "steps": steps, "positions": pn - p1,
+            "train_seconds": round(tn - t1, 2), "positions_per_s": round((pn - p1) / max(tn - t1, 1e-9), 1)}
 
 
 def distill_rows(config: str, prompts: int, overrides: list[str]) -> list[dict]:
@@ -107,12 +155,18 @@ def main() -> int:
     p.add_argument("--sequences", type=int, default=2, help="medusa: sequences per step (plain path)")
     p.add_argument("--vocab-subset", type=int, default=None, help="medusa: loss.vocab_subset for both paths")
     p.add_argument("--prompts", type=int, default=256, help="distill: prompts answered per batch-size setting")
+    p.add_argument("--rev", help="feature: also measure the package as it was at this git revision (before/after)")
     p.add_argument("--out", help="write the rows, with the machine and the command, to this JSON file")
     args = p.parse_args()
     if args.what == "feature":
         rows = feature_rows(args.config or "configs/feature/smollm2-feature.yaml", args.steps, args.batch_size,
                             args.set)
         key, ratio = "positions_per_s", "bf16_over_fp32"
+        if args.rev:
+            rows.insert(0, feature_rev_row(args.config or "configs/feature/smollm2-feature.yaml", args.steps,
+                                           args.batch_size, args.set, args.rev))
+            rows = [rows[0], rows[2], rows[1]]  # before, then after: ratio = after (auto) / before
+            ratio = f"auto_over_{args.rev}"
     elif args.what == "distill":
         rows = distill_rows(args.config or "configs/train/smollm2-medusa1.yaml", args.prompts, args.set)
         key, ratio = "answer_tokens_per_s", "auto_over_fixed"

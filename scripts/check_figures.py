@@ -104,8 +104,12 @@ def tables(lines: list[str]) -> list[Table]:
 
 
 def file_numbers(path: Path) -> list[float]:
-    """Every number a result file holds: JSON values and keys, and numbers inside its strings and text."""
-    text = path.read_text()
+    """Every number a result file holds: JSON values and keys, and numbers inside its strings and text (a
+    picture or other binary file holds none)."""
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        return []
     values: list[float] = []
     if path.suffix == ".json":
         def walk(x):
