@@ -304,7 +304,7 @@ def test_fasterdecoding_v2_heads_export_to_vllm_with_the_named_target(target, tm
     assert torch.equal(vllm_proposals(out, x, 3), heads.top_tokens(x, 3, HEADS))
     assert main(["export", "--heads", str(d), "--format", "native", "--out", str(tmp_path / "n"),
                  "--model", str(model_dir)]) == 2
-    assert "--model: only the medusa and vllm formats" in capsys.readouterr().err
+    assert "--model: only with --format vllm|medusa or --base-model" in capsys.readouterr().err
 
 
 # ---- bad and foreign files: one line naming the file and the key ---------------------------------------------

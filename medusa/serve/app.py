@@ -81,7 +81,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def add_routes(app: FastAPI, server: Server) -> None:
-    @app.api_route("/health", methods=["GET", "HEAD"], responses={503: {"description": "the decoding engine failed and has not recovered"}})
+    @app.get("/health", responses={503: {"description": "the decoding engine failed and has not recovered"}})
     async def health() -> Response:
         running, queued = server.scheduler.load
         body = {"status": "ok", "model": server.name, "running": running, "queued": queued,
@@ -90,6 +90,9 @@ def add_routes(app: FastAPI, server: Server) -> None:
         if fault is not None:
             return JSONResponse({**body, "status": "unhealthy", "error": fault}, 503)
         return JSONResponse(body)
+
+    # HEAD answers as GET does, without the body (monitors that probe with HEAD); not in the schema.
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics")
     async def metrics() -> Response:
