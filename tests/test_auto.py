@@ -227,3 +227,19 @@ def test_policy_switching_per_step_is_token_identical(batch_size):
     mixed = engine.generate(prompts, 30, policy=policy)
     assert [o.tokens for o in mixed.outputs] == [o.tokens for o in plain.outputs]
     assert mixed.mode == "auto" and len(policy.seen) == mixed.stats.steps
+
+
+def test_the_pause_doubles_on_each_failure_up_to_16_times():
+    """A bucket that keeps failing pauses for retry_after_steps x 1, 2, 4, 8, 16, 16, ...: the cap the
+    documentation promises."""
+    gate = AcceptanceGate(window=4, min_tau=2.0, retry_after_steps=10)
+    pauses = []
+    for _ in range(7):
+        while gate.paused(8):
+            gate.tick()
+        for _ in range(4):  # a full window of steps that accept nothing at 8 rows
+            gate.tick()
+            gate.observe(8, True, 1.0, 0.01)
+        rec = gate.record(8)
+        pauses.append(rec.paused_until - gate.step)
+    assert pauses == [10, 20, 40, 80, 160, 160, 160]

@@ -360,3 +360,18 @@ def test_wandb_offline_writes_locally(tiny, tmp_path, monkeypatch):
     run_training(cfg)
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert os.environ.get("WANDB_MODE") == "offline"  # nothing was sent anywhere
+
+
+def test_mtbench_questions_are_never_training_prompts(monkeypatch):
+    """Any source's prompt that is also an MT-bench question (the evaluation set) is dropped, whitespace
+    aside, and `mtbench` itself is refused as a source."""
+    from medusa.prompts import mtbench_prompts
+    from medusa.train import data
+
+    question = mtbench_prompts()[3]
+    monkeypatch.setattr(data, "load_pairs", lambda source: [(question, "a"), ("something else", "b"),
+                                                            ("  " + question + "\n", None)])
+    assert data.training_pairs(["any"]) == [("something else", "b")]
+    monkeypatch.undo()
+    with pytest.raises(MedusaError, match="evaluation set"):
+        data.load_pairs("mtbench")
