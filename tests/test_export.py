@@ -35,12 +35,12 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def fake_heads(directory: Path, top1: float, hidden: int = 64, num_heads: int = 3) -> Path:
+def fake_heads(directory: Path, top1: float, hidden: int = 64, num_heads: int = 3, vocab: int = VOCAB) -> Path:
     """Untrained heads with an eval.json claiming `top1` for head 1 and the trees built from it."""
     from medusa.decoding.heads import HeadsConfig, MedusaHeads
     from medusa.train.outputs import write_trees
 
-    MedusaHeads(HeadsConfig(hidden_size=hidden, vocab_size=VOCAB, num_heads=num_heads)).save(directory)
+    MedusaHeads(HeadsConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads)).save(directory)
     acc = [[top1 * 0.5 ** k, top1 * 0.2 * 0.5 ** k, 0.01] for k in range(num_heads)]
     (directory / "eval.json").write_text(json.dumps({"rank_accuracy": acc}))
     write_trees(acc, [4, 8, 16], directory / "trees")
@@ -221,6 +221,9 @@ def test_to_shipped_refuses_unmeasured_or_treeless_heads(tmp_path, shipped, caps
     other = fake_heads(tmp_path / "other", 0.9, hidden=32)
     assert main(["export", "--heads", str(other), "--to-shipped"]) == 2
     assert "hidden size" in capsys.readouterr().err
+    another_vocab = fake_heads(tmp_path / "another_vocab", 0.9, vocab=VOCAB + 8)
+    assert main(["export", "--heads", str(another_vocab), "--to-shipped"]) == 2
+    assert f"({64}, {VOCAB + 8})" in capsys.readouterr().err  # hidden size/vocabulary named
     assert dir_hashes(shipped) == old
 
 
