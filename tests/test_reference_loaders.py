@@ -326,14 +326,7 @@ def test_fasterdecoding_medusa_reads_the_medusa_export(tmp_path):
     keys = answer["keys"]
     assert (keys["missing"], keys["unexpected"], keys["wrong_shape"]) == ([], [], []), keys
     assert len(keys["loaded_equal"]) == 9 and answer["num_heads"] == 3  # 3 heads x (linear w, b, projection)
-    head_diff = (answer["head_logits"] - ours).abs().max().item()
-    base_diff = (answer["base_hidden"] - _last_hidden(model, target["prompts"][0])).abs().max().item()
-    _report("medusa-llm", versions=answer["versions"], head_logits_max_abs_diff=f"{head_diff:.3g}",
-            base_hidden_max_abs_diff=f"{base_diff:.3g}", steps=answer["steps"],
-            tokens=[len(g) for g in answer["generated"]])
-    assert answer["head_logits"].shape == ours.shape
-    assert head_diff <= TOL and base_diff <= TOL
-    _check_generated(answer, target)
+    _check_logits_and_decoding("medusa-llm", answer, "head_logits", ours, model, target)
 
 
 @reference
@@ -376,11 +369,17 @@ def test_safeailab_eagle_reads_the_eagle_export(tmp_path):
     assert (keys["missing"], keys["unexpected"], keys["wrong_shape"]) == ([], [], []), keys
     assert keys["filled"] == ["embed_tokens.weight"] and keys["load_missing"] == ["embed_tokens.weight"]
     assert keys["load_unexpected"] == [] and answer["bias"] is True
-    draft_diff = (answer["draft_logits"] - ours).abs().max().item()
+    _check_logits_and_decoding("eagle-llm", answer, "draft_logits", ours, model, target)
+
+
+def _check_logits_and_decoding(name: str, answer: dict, key: str, ours, model, target) -> None:
+    """Their `key` logits and their base model's last hidden state against ours (within TOL), and their own
+    decoding loop's output against plain greedy decoding."""
+    diff = (answer[key] - ours).abs().max().item()
     base_diff = (answer["base_hidden"] - _last_hidden(model, target["prompts"][0])).abs().max().item()
-    _report("eagle-llm", versions=answer["versions"], draft_logits_max_abs_diff=f"{draft_diff:.3g}",
+    _report(name, versions=answer["versions"], **{f"{key}_max_abs_diff": f"{diff:.3g}"},
             base_hidden_max_abs_diff=f"{base_diff:.3g}", steps=answer["steps"],
             tokens=[len(g) for g in answer["generated"]])
-    assert answer["draft_logits"].shape == ours.shape
-    assert draft_diff <= TOL and base_diff <= TOL
+    assert answer[key].shape == ours.shape
+    assert diff <= TOL and base_diff <= TOL
     _check_generated(answer, target)
