@@ -12,6 +12,7 @@ import sys
 from medusa.errors import MedusaError
 from medusa.runtime.auto import describe_auto
 from medusa.runtime.args import add_model_args, add_sampling_args, sampling_from_args
+from medusa.runtime.proposers import MODES
 
 # Subcommands that live elsewhere register themselves through `add_parser(subparsers)`.
 EXTERNAL_COMMANDS = ["medusa.eval.cli", "medusa.runtime.calibrate", "medusa.train.cli", "medusa.serve.cli"]
@@ -42,9 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="generate text for one or more prompts (batched)")
     g.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     add_model_args(g)
-    g.add_argument("--mode", default="auto", choices=["auto", "plain", "medusa"],
+    g.add_argument("--mode", default="auto", choices=["auto", *MODES],
                    help="auto (default): speculate where this machine's calibrated pass costs and the heads' "
-                        "accuracy predict a gain, and while measured steps confirm it; medusa: always; plain: never")
+                        "accuracy predict a gain, and while measured steps confirm it; medusa: the heads always; "
+                        "suffix: drafts from the text itself (prompt and output so far) always, no heads needed; "
+                        "medusa+suffix: both in one tree; plain: never")
+    g.add_argument("--retrieval", default="on", choices=["on", "off"],
+                   help="auto mode drafts from the text itself too (merged into feature heads' trees, or alone "
+                        "without heads); off: heads alone")
     g.add_argument("--tree", default=None, help="with --mode medusa: tree file or name (tree-8/16/32/64), or a "
                    "per-row dynamic tree dynamic-N[xD[xK]] (N nodes, D draft steps, top-K; feature heads take only these)")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -73,10 +79,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens <= 0:
         raise MedusaError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-    if args.tree is not None and args.mode != "medusa":
-        raise MedusaError("--tree chooses the tree of --mode medusa; --mode auto picks its own")
+    if args.tree is not None and args.mode not in ("medusa", "medusa+suffix"):
+        raise MedusaError("--tree chooses the tree of --mode medusa or medusa+suffix; --mode auto picks its own")
     sampling = sampling_from_args(args)
-    rt = Runtime.load(args.model, "none" if args.mode == "plain" else args.heads, args.dtype, args.device)
+    rt = Runtime.load(args.model, "none" if args.mode in ("plain", "suffix") else args.heads, args.dtype, args.device)
+    rt.retrieval = args.retrieval == "on"
     prompts = rt.encode(args.prompt, raw=args.raw)
     auto = rt.auto(len(prompts)) if args.mode == "auto" else None
     proposer = rt.proposer(args.mode, args.tree) if args.mode != "auto" else None

@@ -100,10 +100,9 @@ def test_selection_keeps_parents_and_dead_nodes_are_never_accepted():
         best = cs.topk(k, -1).indices
         front_pool, front_score = start + best, cs.gather(1, best)
     pool.scores[0][0, 1:] = float("-inf")  # row 0: only one depth-1 node alive, so some nodes are dead
+    _, scores, parents, depths = pool.flat(n, torch.device("cpu"))
     for nodes in (1, 5, 12):
-        chosen, parent = select_nodes(torch.cat(pool.scores, 1), torch.cat(pool.parents, 1),
-                                      torch.cat([torch.full_like(t, d) for t, d in zip(pool.tokens, pool.depths)], 1),
-                                      nodes)
+        chosen, parent = select_nodes(scores, parents, depths, nodes)
         assert (parent < torch.arange(1, nodes + 1)).all()  # parents come first
         trees = pool.trees(nodes, depth)
         logits = torch.randn(n, nodes + 1, 9, generator=g)

@@ -83,7 +83,7 @@ def test_built_proposers_decode_like_plain(rt, feature_dir):
 @pytest.mark.parametrize("spec, tree, match", [
     ("beam", None, "unknown proposer 'beam'"),
     ("plain:x", None, "plain takes no argument"),
-    ("lookup:many", None, "lookup:K with an integer K"),
+    ("lookup:many", None, "lookup:N with an integer N"),
     ("draft:layers:x", None, "--draft"),
     ("draft:layers:9", None, "--layers"),
     ("medusa", "tree-5", "--tree: 'tree-5'"),

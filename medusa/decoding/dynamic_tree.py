@@ -161,9 +161,10 @@ class Pool:
     tokens: list[torch.Tensor]   # each [n, m] long
     scores: list[torch.Tensor]   # each [n, m] cumulative log-prob
     parents: list[torch.Tensor]  # each [n, m] pool index of the parent (-1: root)
-    depths: list[int]
+    depths: list[int | torch.Tensor]  # each block's depth, or [n, m] long per entry
 
-    def add(self, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, depth: int) -> int:
+    def add(self, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor,
+            depth: int | torch.Tensor) -> int:
         """Append entries; returns the pool index of the first one."""
         start = sum(t.shape[1] for t in self.tokens)
         self.tokens.append(tokens)
@@ -172,20 +173,52 @@ class Pool:
         self.depths.append(depth)
         return start
 
+    def flat(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pool as one block (tokens, scores, parents, depths, each [n, P]); later edits of these
+        tensors edit the pool. `n` and `device` size an empty pool."""
+        if not self.tokens:
+            empty = torch.zeros(n, 0, dtype=torch.long, device=device)
+            self.add(empty, torch.zeros(n, 0, device=device), empty.clone(), empty.clone())
+        if len(self.tokens) > 1 or isinstance(self.depths[0], int):
+            dep = torch.cat([torch.full_like(t, d) if isinstance(d, int) else d
+                             for t, d in zip(self.tokens, self.depths)], 1)
+            self.tokens[:] = [torch.cat(self.tokens, 1)]
+            self.scores[:] = [torch.cat(self.scores, 1)]
+            self.parents[:] = [torch.cat(self.parents, 1)]
+            self.depths[:] = [dep]
+        return self.tokens[0], self.scores[0], self.parents[0], self.depths[0]
+
     def trees(self, num_nodes: int, depth_bound: int,
               proposal: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> RowTrees:
         """The `num_nodes` best entries per row as trees. `proposal(chosen, tokens)` ([n, N] pool indices
         and their tokens -> [n, N, V]) gives the distribution each kept node was drawn from."""
-        tok = torch.cat(self.tokens, 1)
-        score = torch.cat(self.scores, 1)
-        par = torch.cat(self.parents, 1)
-        dep = torch.cat([torch.full_like(t, d) for t, d in zip(self.tokens, self.depths)], 1)
+        tok, score, par, dep = self.flat(0, torch.device("cpu"))
+        if tok.shape[1] < num_nodes:  # too few drafts (retrieval that found nothing): dead padding
+            pad = torch.zeros(tok.shape[0], num_nodes - tok.shape[1], dtype=torch.long, device=tok.device)
+            self.add(pad, torch.full(pad.shape, NEG, device=tok.device), pad - 1, pad + 1)
+            tok, score, par, dep = self.flat(0, tok.device)
         chosen, parent = select_nodes(score, par, dep, num_nodes)
         live = torch.cat([torch.ones_like(chosen[:, :1], dtype=torch.bool), score.gather(1, chosen) > NEG], 1)
         parent = torch.cat([torch.zeros_like(parent[:, :1]), parent], 1)
         kept = tok.gather(1, chosen)
         q = proposal(chosen, kept) if proposal is not None else None
         return row_trees(kept, parent, live, depth_bound, q)
+
+
+@dataclass
+class Growth:
+    """A tree proposer's step before the cut to N nodes (`grow`): what retrieval grafts onto.
+
+    pool:     every generated node
+    depth:    the deepest node's depth
+    proposal: `Pool.trees`' proposal function (sampled chains), or None: point masses
+    sampled:  [n] bool, rows whose tree is a sampled chain (None: no such rows)
+    """
+
+    pool: Pool
+    depth: int
+    proposal: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    sampled: torch.Tensor | None = None
 
 
 def expand(logp: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -232,6 +265,10 @@ class MedusaDynamicProposer:
 
     @torch.inference_mode()
     def draft(self, batch: "Batch") -> RowTrees:
+        return self.grow(batch).pool.trees(self.nodes, self.depth)
+
+    @torch.inference_mode()
+    def grow(self, batch: "Batch") -> Growth:
         n, k = batch.n, self.topk
         lp, tok = self._log_probs(batch.hidden[:n])
         dev = lp.device
@@ -244,4 +281,4 @@ class MedusaDynamicProposer:
             start = pool.add(tok[d].repeat(1, k), scores, front_pool.gather(1, slot), d + 1)
             best = scores.topk(k, -1).indices
             front_pool, front_score = start + best, scores.gather(1, best)
-        return pool.trees(self.nodes, self.depth)
+        return Growth(pool, self.depth)

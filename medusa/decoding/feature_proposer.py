@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from medusa.decoding.dynamic_tree import NEG, Pool, RowTrees, expand, pool_size, stand_in_tree
+from medusa.decoding.dynamic_tree import NEG, Growth, Pool, RowTrees, expand, pool_size, stand_in_tree
 from medusa.decoding.feature_heads import FeatureHead
 from medusa.decoding.feature_runner import FeatureState, HeadRunner, LayerTaps
 from medusa.decoding.ragged import aux_state, catch_up, causal, common_prefix, context
@@ -81,6 +81,12 @@ class FeatureProposer:
 
     @torch.inference_mode()
     def draft(self, batch: "Batch") -> RowTrees:
+        grown = self.grow(batch)
+        return grown.pool.trees(self.shape.nodes, grown.depth, grown.proposal)
+
+    @torch.inference_mode()
+    def grow(self, batch: "Batch") -> Growth:
+        """The step's whole pool of drafted nodes (`draft` keeps the best `nodes` of them)."""
         n = batch.n
         rows = slice(0, n)
         state = self.attach(batch)
@@ -155,9 +161,9 @@ class FeatureProposer:
         return batch.sampling.probs(full, rows)[:, 0]
 
     def _grow(self, batch: "Batch", state: FeatureState, rows: slice, lens: torch.Tensor, last: torch.Tensor,
-              sampled: torch.Tensor | None) -> RowTrees:
-        """EAGLE-2 expansion: D draft steps over the top-k frontier, then the N best nodes."""
-        k, depth, nodes = self.shape.topk, self.shape.depth, self.shape.nodes
+              sampled: torch.Tensor | None) -> Growth:
+        """EAGLE-2 expansion: D draft steps over the top-k frontier (`draft` keeps the N best nodes)."""
+        k, depth = self.shape.topk, self.shape.depth
         n = lens.shape[0]
         dev = lens.device
         ids = self.runner.draft_ids
@@ -207,9 +213,9 @@ class FeatureProposer:
             vis = block_vis.gather(1, bslot[:, :, None].expand(n, k, block_vis.shape[2]))
             used += k
         if sampled is None:
-            return pool.trees(nodes, depth)
-        return pool.trees(nodes, depth, lambda chosen, tokens: self._proposal(chosen, tokens, chain_q, chain_pool,
-                                                                               sampled))
+            return Growth(pool, depth)
+        return Growth(pool, depth, lambda chosen, tokens: self._proposal(chosen, tokens, chain_q, chain_pool, sampled),
+                      sampled)
 
     def _proposal(self, chosen: torch.Tensor, tokens: torch.Tensor, chain_q: list, chain_pool: list,
                   sampled: torch.Tensor) -> torch.Tensor:

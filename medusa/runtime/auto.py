@@ -131,8 +131,10 @@ def describe_auto(rt, auto, batch_size: int) -> str:
     """One line: the machine, and what auto mode will do at this batch size and why."""
     where = rt.machine.describe()
     if auto is None:
-        return f"medusa: auto mode on {where}: plain decoding (no heads for this model)"
+        return f"medusa: auto mode on {where}: plain decoding (no heads for this model, retrieval off)"
     p = auto.plan(batch_size)
-    heads = "feature heads" if rt.feature is not None else "Medusa heads"
+    heads = ("retrieval" if rt.feature is None and rt.heads is None
+             else "feature heads and retrieval" if rt.feature is not None and rt.retrieval
+             else "feature heads" if rt.feature is not None else "Medusa heads")
     what = f"{heads} with {p.tree.name} ({p.tree.size} tokens per pass)" if p.tree is not None else "plain decoding"
     return f"medusa: auto mode on {where}, batch size {batch_size}: {what}; {p.reason}"

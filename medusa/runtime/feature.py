@@ -23,6 +23,7 @@ from medusa.decoding.feature_heads import SHIPPED_FEATURE_DIR, FeatureHead, read
 from medusa.decoding.feature_proposer import (FeatureProposer, TreeShape, expected_tau_dynamic, parse_shape,
                                               shape_candidates)
 from medusa.decoding.feature_runner import HeadRunner, draft_pass_ms
+from medusa.decoding.retrieval import MergedProposer
 from medusa.errors import MedusaError
 from medusa.runtime.auto import MARGIN, Plan, read_accuracy
 
@@ -111,9 +112,11 @@ class _FeatureAuto:
             self.shapes[plan.tree.name] = shape
         return plan
 
-    def make(self, tree) -> FeatureProposer:
+    def make(self, tree):
+        """The planned tree's proposer: the feature head's, with retrieval grafted in unless turned off."""
         shape = self.shapes.get(tree.name, DEFAULT_SHAPE) if tree is not None else DEFAULT_SHAPE
-        return FeatureProposer(self.rt.feature, self.rt.model, shape, runner=self.runner)
+        heads = FeatureProposer(self.rt.feature, self.rt.model, shape, runner=self.runner)
+        return MergedProposer(heads) if self.rt.retrieval else heads
 
 
 def feature_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "AutoSpeculation":

@@ -8,6 +8,10 @@
     draft[:PATH]     a draft model (`default`, `layers:N`, a `medusa train-draft` directory, an HF model
                      directory or hub id) proposing a chain of `k` tokens
     lookup[:K]       prompt lookup, K tokens (default 8)
+    suffix[:N]       retrieval alone: a tree of N nodes (default 16) from the text's own earlier
+                     continuations (`medusa.decoding.retrieval`); needs no heads
+    X+suffix         X's dynamic trees (medusa with feature heads or --tree dynamic-N, feature[:DIR])
+                     with retrieval branches grafted in, under X's node budget
 
 The CLI, the evaluator and the server build their proposers here, so a spec means the same everywhere.
 """
@@ -23,9 +27,13 @@ from medusa.errors import MedusaError
 if TYPE_CHECKING:
     from medusa.runtime import Runtime
 
-SPECS = "plain, medusa, feature[:DIR], draft[:PATH], lookup[:K]"
+SPECS = "plain, medusa, feature[:DIR], draft[:PATH], lookup[:K], suffix[:N], medusa+suffix, feature[:DIR]+suffix"
 DRAFT_K = 4
 LOOKUP_K = 8
+SUFFIX_NODES = 16
+# What `--mode` names besides auto (medusa: the runtime's heads; suffix: retrieval alone; both: merged).
+MODES = ("plain", "medusa", "suffix", "medusa+suffix")
+MERGED = "+suffix"
 
 
 def build_proposer(rt: "Runtime", spec: str, tree: "str | list | Tree | None" = None, k: int | None = None,
@@ -33,6 +41,8 @@ def build_proposer(rt: "Runtime", spec: str, tree: "str | list | Tree | None" = 
     """The proposer `spec` names (None for plain decoding). `tree` shapes Medusa and feature heads' trees;
     `k` is the draft's chain length (default 4) or lookup's token count when the spec gives none;
     `max_ngram` the longest n-gram prompt lookup matches."""
+    if spec.endswith(MERGED):
+        return merged(build_proposer(rt, spec.removesuffix(MERGED), tree, k, max_ngram), spec)
     kind, _, arg = spec.partition(":")
     if kind in ("plain", "medusa") and arg:
         raise MedusaError(f"--mode: {spec!r}: {kind} takes no argument (choose {SPECS})")
@@ -50,6 +60,10 @@ def build_proposer(rt: "Runtime", spec: str, tree: "str | list | Tree | None" = 
         from medusa.decoding.lookup import LookupProposer
 
         return LookupProposer(k=_count(spec, arg) if arg else k or LOOKUP_K, max_ngram=max_ngram)
+    if kind == "suffix":
+        from medusa.decoding.retrieval import SuffixProposer
+
+        return SuffixProposer(_count(spec, arg) if arg else SUFFIX_NODES)
     raise MedusaError(f"--mode: unknown proposer {spec!r} (choose {SPECS})")
 
 
@@ -81,8 +95,20 @@ def _draft(rt: "Runtime", path: str, k: int) -> Proposer:
     return DraftProposer(draft, k)
 
 
+def merged(inner: Proposer | None, spec: str = "medusa+suffix") -> Proposer:
+    """`inner`'s dynamic trees with retrieval branches grafted in."""
+    from medusa.decoding.dynamic_tree import MedusaDynamicProposer
+    from medusa.decoding.feature_proposer import FeatureProposer
+    from medusa.decoding.retrieval import MergedProposer
+
+    if not isinstance(inner, (FeatureProposer, MedusaDynamicProposer)):
+        raise MedusaError(f"--mode: {spec!r}: retrieval merges into dynamic trees: feature heads, or Medusa heads "
+                          f"with --tree dynamic-N (use suffix alone for plain, static trees, drafts or lookup)")
+    return MergedProposer(inner)
+
+
 def _count(spec: str, arg: str) -> int:
     try:
         return int(arg)
     except ValueError:
-        raise MedusaError(f"--mode: {spec!r}: expected lookup:K with an integer K") from None
+        raise MedusaError(f"--mode: {spec!r}: expected {spec.partition(':')[0]}:N with an integer N") from None

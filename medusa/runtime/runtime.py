@@ -20,7 +20,7 @@ from medusa.decoding.model import DEFAULT_MODEL, default_device, load_target
 from medusa.decoding.proposers import MedusaProposer, Proposer
 from medusa.decoding.transformer import Transformer
 from medusa.decoding.tree import Tree, load_tree
-from medusa.runtime.proposers import build_proposer
+from medusa.runtime.proposers import MODES, build_proposer
 
 if TYPE_CHECKING:
     from medusa.runtime.auto import AutoSpeculation
@@ -36,6 +36,9 @@ class Runtime:
     heads: MedusaHeads | None
     dtype: DtypeChoice | None = None  # None: the dtype the model was built in
     feature: "FeatureHead | None" = None  # feature heads (EAGLE-style) when --heads names them
+    # Auto mode drafts from the text itself too: retrieval merged into the feature heads' trees, or alone
+    # when there are no heads (`--retrieval off`: heads alone, or plain decoding without heads).
+    retrieval: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype is None:
@@ -73,7 +76,11 @@ class Runtime:
 
             return feature_auto(self, batch_size, progress)
         if self.heads is None:
-            return None
+            if not self.retrieval:
+                return None
+            from medusa.runtime.retrieval import retrieval_auto
+
+            return retrieval_auto(self, batch_size, progress)
         cal = load_or_measure(self, [1 << i for i in range(bucket(batch_size).bit_length())], progress=progress)
         accuracy = read_accuracy(self.heads)
         default = self.heads.tree()
@@ -90,9 +97,10 @@ class Runtime:
                                max(t.size for t in trees), predicted=accuracy is not None)
 
     def proposer(self, mode: str, tree: str | list | Tree | None = None) -> Proposer | None:
-        """`--mode plain` or `--mode medusa` (with `--tree`): see `medusa.runtime.proposers.build_proposer`."""
-        if mode not in ("plain", "medusa"):
-            raise MedusaError(f"--mode: unknown mode {mode!r} (choose plain or medusa)")
+        """`--mode plain|medusa|suffix|medusa+suffix` (with `--tree`): see
+        `medusa.runtime.proposers.build_proposer`."""
+        if mode not in MODES:
+            raise MedusaError(f"--mode: unknown mode {mode!r} (choose {', '.join(MODES)})")
         return build_proposer(self, mode, tree)
 
     def encode(self, prompts: list[str], raw: bool = False) -> list[list[int]]:

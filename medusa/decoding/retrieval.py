@@ -1,0 +1,221 @@
+"""Retrieval drafts: what followed earlier occurrences of the text's own suffix (prompt and output so far),
+as branches of a dynamic tree, alone or grafted onto a head's tree under one node budget.
+
+Each row keeps a suffix automaton (`medusa.decoding.suffix`) of its committed tokens and pending root,
+grown by the tokens each step commits. A step asks it for up to `branches` ranked continuations, each at
+most `depth` tokens, and scores every token by the log of its chance of being accepted, measured on the
+target's own greedy answers by match length (`ACCEPT`, from `benchmarks/retrieval_acceptance.py`):
+
+    score(token j of a continuation from a match of m tokens) = log first(m, top) + j * log next(m)
+
+`first(m, top)` is how often the first token is right (higher for the best continuation at its suffix
+than for the others), `next(m)` how often a token is right after a right one. These are chances of the
+same kind as a dynamic tree's cumulative log-probabilities (EAGLE-2's node scores), so both kinds of node
+compete for one budget: `graft` walks each continuation down the head's pool, raises the score of every
+node it meets (same parent, same token) to the continuation's and appends the rest as new nodes; then the
+N best nodes are kept (`Pool.trees`). A row whose match is long gets a deep retrieval branch; a row with
+none gets the head's tree unchanged. Scores still only fall along every path, so the kept nodes form a tree.
+
+`SuffixProposer` drafts from retrieval alone (any model, no heads); `MergedProposer` wraps a tree proposer
+(feature heads, Medusa heads' dynamic trees). Rows sampled with a drafted chain (rejection sampling with a
+feature head) keep the head's chain alone: retrieval nodes are point masses, and those rows' trees are the
+sampled chain exactly. Verification does not change: any draft is safe, and greedy output is the target's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Hashable
+
+import torch
+
+from medusa.decoding.dynamic_tree import NEG, Growth, Pool, RowTrees, stand_in_tree
+from medusa.decoding.ragged import aux_state, context
+from medusa.decoding.suffix import SuffixAutomaton
+from medusa.errors import MedusaError
+
+if TYPE_CHECKING:
+    from medusa.decoding.engine import Batch
+
+AUX_KEY = "retrieval"
+# Match lengths are bucketed: bucket i holds lengths MATCH_BUCKETS[i] up to the next bucket's start.
+MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
+# Per bucket: (first token right, best continuation at its suffix; first token right, the others; next
+# token right after a right one). Measured on 1,024 distilled ShareGPT answers of the embedded model
+# (`python benchmarks/retrieval_acceptance.py --shards 8`: benchmarks/results/retrieval_acceptance.json).
+ACCEPT = (
+    (0.20, 0.07, 0.65),
+    (0.47, 0.10, 0.72),
+    (0.58, 0.15, 0.77),
+    (0.67, 0.13, 0.82),
+    (0.75, 0.11, 0.86),
+    (0.82, 0.08, 0.89),
+    (0.88, 0.10, 0.92),
+    (0.97, 0.05, 0.98),
+)
+
+
+def match_bucket(match_len: int) -> int:
+    """The bucket of a match of `match_len` >= 1 tokens."""
+    b = 0
+    while b + 1 < len(MATCH_BUCKETS) and match_len >= MATCH_BUCKETS[b + 1]:
+        b += 1
+    return b
+
+
+def token_scores(match_len: int, top: bool, length: int) -> list[float]:
+    """Cumulative log-chance of acceptance of each token of a continuation."""
+    first, other, nxt = ACCEPT[match_bucket(match_len)]
+    start = math.log(first if top else other)
+    return [start + j * math.log(nxt) for j in range(length)]
+
+
+@dataclass
+class Chains:
+    """One step's retrieval drafts for n rows, C continuations of at most L tokens each.
+
+    tokens: [n, C, L] long (anything past a continuation's end)
+    scores: [n, C, L] float, cumulative log-chance of acceptance; -inf past the end and for no draft
+    """
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+
+    @property
+    def depth(self) -> int:
+        return self.tokens.shape[2]
+
+    def drop(self, rows: torch.Tensor) -> "Chains":
+        """Without drafts for rows [n] bool."""
+        return Chains(self.tokens, torch.where(rows[:, None, None], NEG, self.scores))
+
+
+class RetrievalState:
+    """Per-row suffix automata, by request id (rows move, ids stay); one per batch (`batch.aux`)."""
+
+    def __init__(self):
+        self.automata: dict[Hashable, SuffixAutomaton] = {}
+
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        """Nothing to move: automata follow ids."""
+
+    def sync(self, ids: list[Hashable], texts: list[list[int]]) -> list[SuffixAutomaton]:
+        """Each row's automaton fed up to its text (committed tokens, then the pending root)."""
+        out = []
+        for i, text in zip(ids, texts):
+            sam = self.automata.get(i)
+            if sam is None or len(sam.text) > len(text) or (sam.text and sam.text[-1] != text[len(sam.text) - 1]):
+                sam = self.automata[i] = SuffixAutomaton()
+            sam.extend_many(text[len(sam.text):])
+            out.append(sam)
+        for gone in set(self.automata) - set(ids):
+            del self.automata[gone]
+        return out
+
+
+class Retriever:
+    """Ranked continuations of each row's text: `branches` of at most `depth` tokens, from matches of at
+    least `min_match` tokens."""
+
+    def __init__(self, branches: int = 4, depth: int = 8, min_match: int = 1):
+        if branches < 1 or depth < 1 or min_match < 1:
+            raise MedusaError(f"retrieval needs branches, depth and min_match >= 1, got {branches}, {depth}, "
+                              f"{min_match}")
+        self.branches, self.depth, self.min_match = branches, depth, min_match
+
+    def chains(self, batch: "Batch") -> Chains:
+        n = batch.n
+        state = aux_state(batch, AUX_KEY, lambda s: isinstance(s, RetrievalState), RetrievalState)
+        lens = batch.cache.lens[:n]
+        ctx = context(batch).cpu()
+        ends = (lens + 1).tolist()
+        automata = state.sync(batch.ids[:n], [ctx[r, :e].tolist() for r, e in enumerate(ends)])
+        tokens = torch.zeros(n, self.branches, self.depth, dtype=torch.long)
+        scores = torch.full((n, self.branches, self.depth), NEG)
+        for r, sam in enumerate(automata):
+            levels = set()
+            for c, cont in enumerate(sam.continuations(self.branches, self.depth, self.min_match)):
+                top = cont.match_len not in levels
+                levels.add(cont.match_len)
+                m = len(cont.tokens)
+                tokens[r, c, :m] = torch.tensor(cont.tokens)
+                scores[r, c, :m] = torch.tensor(token_scores(cont.match_len, top, m))
+        dev = batch.root.device
+        return Chains(tokens.to(dev), scores.to(dev))
+
+
+def graft(pool: Pool, chains: Chains) -> None:
+    """Add each continuation to `pool` as a path from the root: a node it meets (same parent and token) keeps
+    the higher of the two scores, the rest become new entries. Scores still fall along every path."""
+    n, c_count, depth = chains.tokens.shape
+    tok, score, par, _ = pool.flat(n, chains.tokens.device)
+    for c in range(c_count):
+        attach = torch.full((n,), -1, dtype=torch.long, device=tok.device)
+        for j in range(depth):
+            t, s = chains.tokens[:, c, j], chains.scores[:, c, j]
+            valid = s > NEG
+            if not bool(valid.any()):
+                break
+            tok, score, par, _ = pool.flat(n, tok.device)
+            hit = (par == attach[:, None]) & (tok == t[:, None]) & (score > NEG)
+            found = hit.any(1) & valid
+            at = hit.long().argmax(1) if hit.shape[1] else torch.zeros_like(attach)
+            if bool(found.any()):
+                cur = score.gather(1, at[:, None])[:, 0]
+                score.scatter_(1, at[:, None], torch.where(found, torch.maximum(cur, s), cur)[:, None])
+            new = valid & ~found
+            start = pool.add(t[:, None], torch.where(new, s, NEG)[:, None], attach[:, None].clone(),
+                             (torch.full_like(t, j + 1))[:, None])
+            attach = torch.where(found, at, torch.where(new, start, attach))
+
+
+class SuffixProposer:
+    """Retrieval alone: a tree of `nodes` candidates per row from its best continuations. Needs no heads."""
+
+    name = "suffix"
+    owns_step = True
+
+    def __init__(self, nodes: int = 16, retriever: Retriever | None = None):
+        self.retriever = retriever or Retriever()
+        if nodes < 1 or nodes > self.retriever.branches * self.retriever.depth:
+            raise MedusaError(f"suffix: {nodes} nodes do not fit {self.retriever.branches} branches of "
+                              f"{self.retriever.depth} tokens")
+        self.nodes = nodes
+        self.tree = stand_in_tree(nodes, self.retriever.depth, f"suffix-{nodes}")
+
+    def attach(self, batch: "Batch") -> None:
+        """Nothing before the prefill: automata are fed at the first draft."""
+
+    @torch.inference_mode()
+    def draft(self, batch: "Batch") -> RowTrees:
+        pool = Pool([], [], [], [])
+        chains = self.retriever.chains(batch)
+        graft(pool, chains)
+        return pool.trees(self.nodes, chains.depth)
+
+
+class MergedProposer:
+    """A tree proposer's dynamic tree with retrieval branches grafted in, under the inner tree's budget."""
+
+    owns_step = True
+
+    def __init__(self, inner, retriever: Retriever | None = None):
+        self.inner = inner
+        self.retriever = retriever or Retriever()
+        self.nodes = inner.tree.size - 1
+        self.name = f"{inner.name}+suffix"
+        depth = max(inner.tree.depth, self.retriever.depth)
+        self.tree = stand_in_tree(self.nodes, depth, f"{inner.tree.name}+suffix")
+
+    def attach(self, batch: "Batch"):
+        return self.inner.attach(batch) if hasattr(self.inner, "attach") else None
+
+    @torch.inference_mode()
+    def draft(self, batch: "Batch") -> RowTrees:
+        grown: Growth = self.inner.grow(batch)
+        chains = self.retriever.chains(batch)
+        if grown.sampled is not None:
+            chains = chains.drop(grown.sampled)
+        graft(grown.pool, chains)
+        return grown.pool.trees(self.nodes, max(grown.depth, chains.depth), grown.proposal)
