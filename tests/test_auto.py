@@ -12,7 +12,7 @@ from medusa.decoding import hardware
 from medusa.runtime import calibrate
 from medusa.runtime.auto import MARGIN, AutoSpeculation, Plan, candidate_trees, plan
 from medusa.runtime.calibrate import Calibration, load_or_measure
-from medusa.decoding.engine import Engine
+from medusa.decoding.engine import Engine, StepPolicy
 from medusa.errors import MedusaError
 from medusa.runtime.gate import AcceptanceGate
 from medusa.decoding.hardware import Machine, auto_dtype, resolve_dtype, short_dtype
@@ -199,7 +199,7 @@ def test_calibration_is_measured_once_and_reused(tmp_path, monkeypatch):
 # ---- auto mode decodes exactly what plain decoding does ----------------------------------------------
 
 
-class Alternating:
+class Alternating(StepPolicy):
     """A step policy that flips between plain decoding and two trees: every switch must be lossless."""
 
     def __init__(self, proposers):

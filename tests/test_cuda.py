@@ -24,7 +24,7 @@ import torch
 
 from conftest import hf_greedy, mixed_prompts, tiny_model
 from medusa.decoding.engine import Engine
-from medusa.decoding.proposers import MedusaProposer
+from medusa.decoding.proposers import MedusaProposer, Proposer
 from medusa.decoding.transformer import (RMSNorm, Transformer, attention_dtype, cache_dtype, mirrored_norm,
                                 pack_weights)
 from medusa.decoding.tree import chain, load_tree
@@ -33,7 +33,7 @@ cuda = pytest.mark.cuda
 CUDA = torch.device("cuda")
 
 
-class OnDevice:
+class OnDevice(Proposer):
     """A test proposer that builds its candidates on the CPU, handing them over on the batch's device."""
 
     def __init__(self, inner):

@@ -6,7 +6,7 @@ import torch
 from conftest import hf_greedy, mixed_prompts, random_heads, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
-from medusa.decoding.proposers import MedusaProposer, Proposal
+from medusa.decoding.proposers import MedusaProposer, Proposal, Proposer
 from medusa.decoding.transformer import Transformer
 from medusa.decoding.tree import Tree, chain, load_tree
 
@@ -28,7 +28,7 @@ def test_medusa_with_candidate_vocabulary_matches_plain():
     assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Proposes the known greedy continuation along rank-0 paths, wrong tokens elsewhere, and breaks the
     correct path at a random depth: rows accept different, known-to-vary numbers of tokens each step."""
 
@@ -299,7 +299,7 @@ def test_rmsnorm_matches_hf(dtype):
             assert ((got - ref).abs() <= ref.abs() * 2 ** -7 + 1e-6).all()
 
 
-class RightOrWrong:
+class RightOrWrong(Proposer):
     """Proposes the true greedy continuation for the rows in `right`, a wrong token at every node elsewhere."""
 
     name = "right-or-wrong"

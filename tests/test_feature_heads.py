@@ -107,7 +107,8 @@ def test_prompt_features_kept_at_prefill(small):
     model, engine = small
     proposer = FeatureProposer(random_head(model), engine.model, TreeShape(4, 2, 2))
     batch = engine.new_batch(2, 64, MAX_NEW)
-    state = proposer.attach(batch)
+    proposer.attach(batch)
+    state = batch.aux["feature"]
     prompts = mixed_prompts(2, vocab=V, seed=4)
     engine.add(batch, [0, 1], prompts, MAX_NEW)
     assert state.feat_len[:2].tolist() == [len(p) for p in prompts]

@@ -9,7 +9,7 @@ from conftest import hf_greedy, mixed_prompts, random_heads, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
-from medusa.decoding.proposers import MedusaProposer, Proposal
+from medusa.decoding.proposers import MedusaProposer, Proposal, Proposer
 from medusa.decoding.sampling import SamplingParams
 from medusa.decoding.transformer import Transformer
 from medusa.decoding.tree import chain, load_tree
@@ -76,7 +76,7 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), stat / 2))
 
 
-class SampledChain:
+class SampledChain(Proposer):
     """A chain proposer that draws its tokens from an arbitrary (wrong) distribution q and says so."""
 
     name = "sampled-chain"

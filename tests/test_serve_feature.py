@@ -73,7 +73,7 @@ def test_trees_for_each_kind_of_head(feature_rt, rt):
     server = create_app(ServeConfig(dtype="fp32", policy={"trees": {1: "tree-8", 4: "dynamic-8x3"},
                                                                 "calibrate": False}), rt).state.server
     assert sorted(server.medusa) == ["dynamic-8x3", "tree-8"]
-    assert server.medusa["dynamic-8x3"].owns_step and not getattr(server.medusa["tree-8"], "owns_step", False)
+    assert server.medusa["dynamic-8x3"].owns_step and not server.medusa["tree-8"].owns_step
     with pytest.raises(MedusaError, match="policy.trees"):
         create_app(ServeConfig(dtype="fp32", policy={"trees": {1: "dynamic-99x2"}, "calibrate": False}), rt)
 

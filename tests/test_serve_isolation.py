@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 
+from medusa.decoding.proposers import Proposer
 from medusa.decoding.sampling import SamplingParams
 from medusa.serve.app import create_app
 from medusa.serve.config import ServeConfig
@@ -163,7 +164,7 @@ def test_proposer_failure_redoes_the_step_without_speculation(rt, tokenizer, sol
     server = app.state.server
     good = server.medusa["tree-8"]
 
-    class Broken:
+    class Broken(Proposer):
         name, tree = "broken", good.tree
 
         def propose(self, batch):

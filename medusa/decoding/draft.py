@@ -30,7 +30,7 @@ import torch
 
 from medusa.errors import MedusaError
 from medusa.io import ASSETS
-from medusa.decoding.proposers import Proposal
+from medusa.decoding.proposers import Proposal, Proposer, RowState
 from medusa.decoding.ragged import aux_state, catch_up, causal, common_prefix, context
 from medusa.decoding.sampling import argmax
 from medusa.decoding.transformer import KVCache, Transformer, packed_linear, rows_linear
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 AUX_KEY = "draft"
 
 
-class DraftState:
+class DraftState(RowState):
     """The draft's per-row cache plus the tokens each cached position was computed from."""
 
     def __init__(self, owner: Transformer, rows: int, capacity: int):
@@ -81,7 +81,7 @@ class DraftModel:
         return self.vocab[best] if self.vocab is not None else best
 
 
-class DraftProposer:
+class DraftProposer(Proposer):
     """Greedy chain of `k` tokens from a draft Transformer that shares the target's tokenizer."""
 
     name = "draft"

@@ -12,18 +12,19 @@ number of nodes T, so the target pass stays one dense [B, T] block with a [B, T,
 *dead* nodes (padding: a row drafting a sampled chain shorter than the others); a dead node sits at depth 1,
 sees only the root and itself, and is on no path and in no child list, so it can never be accepted.
 
-`Engine.step` asks proposers that build such trees (`proposer.owns_step`) for a step's `RowTrees` with
-`draft`; per-row state that must follow what each step commits (a feature head's features) sits in
-`batch.aux` and hears of every step, speculative or not (`committed`).
+`Engine.step` asks proposers that build such trees (`Proposer.owns_step`) for a step's `RowTrees` with
+`draft`; per-row state that must follow what each step commits (a feature head's features) is a
+`RowState` in `batch.aux` and hears of every step, speculative or not (`committed`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from medusa.decoding.proposers import Proposer
 from medusa.decoding.tree import Tree
 from medusa.decoding.verifier import Candidates
 
@@ -128,16 +129,6 @@ def select_nodes(pool_score: torch.Tensor, pool_parent: torch.Tensor, pool_depth
     return chosen, par_node.clamp(min=0)
 
 
-class TreeProposer(Protocol):
-    """A proposer that builds a tree per row (`owns_step = True`); `tree` is a stand-in with the largest
-    size and depth it will ever propose (the engine sizes caches from it)."""
-
-    name: str
-    tree: Tree
-    owns_step: bool
-
-    def draft(self, batch: "Batch") -> RowTrees: ...
-
 def pool_size(depth: int, topk: int) -> int:
     """Nodes a dynamic draft generates to choose from: top-k at the first step, then the top-k children
     of each of the k frontier nodes at every later one."""
@@ -235,7 +226,7 @@ def expand(logp: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[tor
 # ---- Medusa heads growing a dynamic tree -----------------------------------------------------------
 
 
-class MedusaDynamicProposer:
+class MedusaDynamicProposer(Proposer):
     """Medusa heads with a per-row dynamic tree: head d's top-k log-probabilities at the root's hidden state
     score depth d+1 (they do not depend on the parent, so a row's tree is the N most probable paths
     through its own top-k lists). Trees adapt to each row's confidence, where a static tree follows the

@@ -9,12 +9,12 @@ their own lengths and accept different numbers of tokens; nothing in the step lo
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Hashable, Protocol
+from typing import Any, Callable, Hashable
 
 import torch
 
 from medusa.errors import MedusaError
-from medusa.decoding.proposers import Proposer
+from medusa.decoding.proposers import Proposer, RowState
 from medusa.decoding.sampling import GREEDY, RowSampling, SamplingParams, argmax, sample_from
 from medusa.decoding.transformer import Transformer, cache_capacity
 from medusa.decoding.tree import ROOT_ONLY
@@ -22,14 +22,20 @@ from medusa.decoding.outputs import MAX_TOP_LOGPROBS, Finished, Generation, Stat
 from medusa.decoding.verifier import Candidates, GreedyVerifier, SamplingVerifier, Verdict
 
 
-class StepPolicy(Protocol):
-    """Chooses each step's proposer (None: plain) and hears back how the step went (auto mode)."""
+class StepPolicy:
+    """Chooses each step's proposer (None: plain) and hears back how the step went (auto mode, the server's
+    policy). `max_tree_size`: the largest tree it may choose (caches are sized by it)."""
 
     max_tree_size: int
 
-    def choose(self, rows: int) -> Proposer | None: ...
+    def attach(self, batch: "Batch") -> None:
+        """Per-row state of the proposers it may choose, set up before the batch's rows are prefilled."""
 
-    def observe(self, rows: int, speculative: bool, tau: float, seconds: float) -> None: ...
+    def choose(self, rows: int) -> Proposer | None:
+        raise NotImplementedError
+
+    def observe(self, rows: int, speculative: bool, tau: float, seconds: float) -> None:
+        """How a step with `rows` rows went: speculative or plain, its tokens per row, its duration."""
 
 
 class Batch:
@@ -48,9 +54,9 @@ class Batch:
         # Every row's committed tokens (prompt, then output; the pending root is not included): what
         # context-based proposers read (prompt lookup) and what a draft model catches up on.
         self.seq = torch.zeros(rows, capacity, dtype=torch.long, device=dev)
-        # Per-row state that proposers keep beside the batch (e.g. a draft model's KV cache); anything
-        # with `move_rows(src, dst)` is kept in step when rows are compacted.
-        self.aux: dict[str, Any] = {}
+        # Per-row state that proposers keep beside the batch (a draft model's KV cache, a feature head's
+        # features, retrieval's automata), by proposer kind.
+        self.aux: dict[str, RowState] = {}
         self.sampling = RowSampling(rows, dev)
         self.stats = Stats()
         # Request id -> top-k of the rows that asked for log-probabilities. Empty in the common case, so
@@ -143,8 +149,7 @@ class Engine:
         causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
         hidden = self.model(tokens, positions, batch.cache, rows, causal)
         for state in list(batch.aux.values()):
-            if hasattr(state, "prefilled"):  # per-row proposer state that reads prompt features (feature heads)
-                state.prefilled(rows, tokens, plen, hidden)
+            state.prefilled(rows, tokens, plen, hidden)
         last = hidden[torch.arange(k, device=dev), plen - 1]
         batch.cache.lens[rows] = plen
         batch.seq[rows, :t] = tokens
@@ -181,7 +186,7 @@ class Engine:
         # Read before any of this step's work is queued: on a GPU the host then waits for nothing.
         sampled = batch.sampling.any_sampling(rows)
         tokens = batch.root[rows, None]
-        per_row = proposer is not None and getattr(proposer, "owns_step", False)
+        per_row = proposer is not None and proposer.owns_step
         if per_row:  # medusa.decoding.dynamic_tree: a tree per row, grown from the proposer's confidence
             trees = proposer.draft(batch)
             tokens = torch.cat([tokens, trees.tokens.to(tokens.device)], dim=1)
@@ -201,8 +206,7 @@ class Engine:
         else:
             verdict = self.verifier.verify(logits, cand)
         for state in list(batch.aux.values()):
-            if hasattr(state, "committed"):  # per-row state that keeps the target's features (feature heads)
-                state.committed(batch.cache.lens[rows], hidden, tokens, verdict)
+            state.committed(batch.cache.lens[rows], hidden, tokens, verdict)
         new = self._commit(batch, rows, tokens, hidden, verdict)
         lp = None
         if batch.logprobs:  # the logits that decided each emitted token: those of the nodes on its path
@@ -304,7 +308,7 @@ class Engine:
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
         for source in (proposer, policy):
-            if source is not None and hasattr(source, "attach"):
+            if source is not None:
                 source.attach(batch)  # before the prefill, so per-row proposer state sees the prompts
         out = self.add(batch, list(range(len(prompts))), prompts, max_new_tokens, sampling)
         while True:

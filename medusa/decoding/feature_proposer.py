@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from medusa.decoding.dynamic_tree import NEG, Growth, Pool, RowTrees, expand, pool_size, stand_in_tree
 from medusa.decoding.feature_heads import FeatureHead
 from medusa.decoding.feature_runner import FeatureState, HeadRunner, LayerTaps
+from medusa.decoding.proposers import Proposer
 from medusa.decoding.ragged import aux_state, catch_up, causal, common_prefix, context
 from medusa.decoding.sampling import MODE_REJECTION, sample_from
 from medusa.decoding.transformer import Transformer
@@ -46,7 +47,7 @@ class TreeShape:
         return self
 
 
-class FeatureProposer:
+class FeatureProposer(Proposer):
     """Drafts a dynamic tree per row with a feature head (`owns_step`: the engine asks for `RowTrees`)."""
 
     name = "feature"
@@ -70,8 +71,11 @@ class FeatureProposer:
         self.taps = LayerTaps.install(target, head.config.feature_layers) if head.config.feature_layers else None
 
     # ---- engine protocol ------------------------------------------------------------------------
-    def attach(self, batch: "Batch") -> "FeatureState":
+    def attach(self, batch: "Batch") -> None:
         """Create the per-row state before rows are added, so prompt features are kept at prefill."""
+        self._state(batch)
+
+    def _state(self, batch: "Batch") -> FeatureState:
         # Draft entries of any shape up to depth 8 and top-8 fit, so one state serves every planned shape.
         need = batch.cache.capacity + max(66, (self.shape.depth - 1) * self.shape.topk + self.shape.depth + 2)
         return aux_state(batch, AUX_KEY, lambda s: isinstance(s, FeatureState) and s.runner is self.runner
@@ -89,7 +93,7 @@ class FeatureProposer:
         """The step's whole pool of drafted nodes (`draft` keeps the best `nodes` of them)."""
         n = batch.n
         rows = slice(0, n)
-        state = self.attach(batch)
+        state = self._state(batch)
         lens = batch.cache.lens[rows]
         ctx = context(batch)
         width = ctx.shape[1]

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from medusa.decoding.feature_heads import FeatureHead
+from medusa.decoding.proposers import RowState
 from medusa.errors import MedusaError
 from medusa.decoding.transformer import (SHORT_BLOCK, DecoderLayer, KVCache, RMSNorm, Transformer, attention_dtype,
                                          cache_dtype, packed_linear, pass_mask, rope_tables, rows_linear,
@@ -148,7 +149,7 @@ class LayerTaps:
         return torch.cat([p.to(hidden.dtype) for p in parts], dim=-1)
 
 
-class FeatureState:
+class FeatureState(RowState):
     """Per-row state beside a batch: the head's cache, the target features of committed positions and the
     tokens both were computed from (`seq[r, s]` = x_s; the pending root included)."""
 

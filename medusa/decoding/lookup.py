@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from medusa.errors import MedusaError
-from medusa.decoding.proposers import Proposal
+from medusa.decoding.proposers import Proposal, Proposer
 from medusa.decoding.ragged import context
 from medusa.decoding.tree import chain
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from medusa.decoding.engine import Batch
 
 
-class LookupProposer:
+class LookupProposer(Proposer):
     name = "lookup"
 
     def __init__(self, k: int = 8, max_ngram: int = 3, min_ngram: int = 1):

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Hashable
 import torch
 
 from medusa.decoding.dynamic_tree import NEG, Growth, Pool, RowTrees, stand_in_tree
+from medusa.decoding.proposers import Proposer, RowState
 from medusa.decoding.ragged import aux_state, context
 from medusa.decoding.suffix import SuffixAutomaton
 from medusa.errors import MedusaError
@@ -91,14 +92,11 @@ class Chains:
         return Chains(self.tokens, torch.where(rows[:, None, None], NEG, self.scores))
 
 
-class RetrievalState:
+class RetrievalState(RowState):
     """Per-row suffix automata, by request id (rows move, ids stay); one per batch (`batch.aux`)."""
 
     def __init__(self):
         self.automata: dict[Hashable, SuffixAutomaton] = {}
-
-    def move_rows(self, src: list[int], dst: list[int]) -> None:
-        """Nothing to move: automata follow ids."""
 
     def sync(self, ids: list[Hashable], texts: list[list[int]]) -> list[SuffixAutomaton]:
         """Each row's automaton fed up to its text (committed tokens, then the pending root)."""
@@ -170,7 +168,7 @@ def graft(pool: Pool, chains: Chains) -> None:
             attach = torch.where(found, at, torch.where(new, start, attach))
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Retrieval alone: a tree of `nodes` candidates per row from its best continuations. Needs no heads."""
 
     name = "suffix"
@@ -184,9 +182,6 @@ class SuffixProposer:
         self.nodes = nodes
         self.tree = stand_in_tree(nodes, self.retriever.depth, f"suffix-{nodes}")
 
-    def attach(self, batch: "Batch") -> None:
-        """Nothing before the prefill: automata are fed at the first draft."""
-
     @torch.inference_mode()
     def draft(self, batch: "Batch") -> RowTrees:
         pool = Pool([], [], [], [])
@@ -195,12 +190,12 @@ class SuffixProposer:
         return pool.trees(self.nodes, chains.depth)
 
 
-class MergedProposer:
+class MergedProposer(Proposer):
     """A tree proposer's dynamic tree with retrieval branches grafted in, under the inner tree's budget."""
 
     owns_step = True
 
-    def __init__(self, inner, retriever: Retriever | None = None):
+    def __init__(self, inner: Proposer, retriever: Retriever | None = None):
         self.inner = inner
         self.retriever = retriever or Retriever()
         self.nodes = inner.tree.size - 1
@@ -208,8 +203,8 @@ class MergedProposer:
         depth = max(inner.tree.depth, self.retriever.depth)
         self.tree = stand_in_tree(self.nodes, depth, f"{inner.tree.name}+suffix")
 
-    def attach(self, batch: "Batch"):
-        return self.inner.attach(batch) if hasattr(self.inner, "attach") else None
+    def attach(self, batch: "Batch") -> None:
+        self.inner.attach(batch)  # retrieval's automata are fed at the first draft
 
     @torch.inference_mode()
     def draft(self, batch: "Batch") -> RowTrees:

@@ -14,18 +14,19 @@ from medusa.decoding.tree import DEFAULT_TREE
 from medusa.errors import MedusaError
 from medusa.io import read_yaml, validate
 
-OURS = ("plain", "medusa", "draft", "lookup", "feature")
+OURS = ("plain", "medusa", "draft", "lookup", "feature", "suffix", "medusa+suffix", "feature+suffix")
 HF = ("hf", "hf_assisted", "hf_lookup")
 BATCH_ONE_ONLY = ("hf_assisted", "hf_lookup")  # HF runs these for batch size 1 only
 
 
 class MethodSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    method: Literal["plain", "medusa", "draft", "lookup", "feature", "hf", "hf_assisted", "hf_lookup"]
+    method: Literal["plain", "medusa", "draft", "lookup", "feature", "suffix", "medusa+suffix", "feature+suffix",
+                    "hf", "hf_assisted", "hf_lookup"]
     label: str | None = None
     tree: str | None = None           # medusa: tree file or shipped name
     draft: str | None = None          # draft / hf_assisted: see medusa.decoding.draft.load_draft
-    k: int | None = Field(default=None, ge=1, le=64)  # draft chain length / lookup tokens
+    k: int | None = Field(default=None, ge=1, le=64)  # draft chain length / lookup tokens / suffix tree nodes
     max_ngram: int = Field(default=3, ge=1)
     heads: str | None = None          # feature: feature heads directory (default: the shipped ones)
 
@@ -33,8 +34,8 @@ class MethodSpec(BaseModel):
     def name(self) -> str:
         if self.label:
             return self.label
-        if self.method == "feature":  # tree: dynamic-N[xD[xK]], or None for the planned size
-            return f"feature:{self.tree or 'planned'}"
+        if self.method in ("feature", "feature+suffix"):  # tree: dynamic-N[xD[xK]], or None for the planned size
+            return f"{self.method}:{self.tree or 'planned'}"
         if self.method == "medusa":
             return f"medusa:{Path(self.tree or DEFAULT_TREE).stem}"
         return self.method

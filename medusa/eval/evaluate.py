@@ -85,7 +85,7 @@ def _report(rt: Runtime, cfg: EvalConfig, num_prompts: int, results: list[dict],
 def _evaluate(cfg: EvalConfig, out_dir: Path, progress: bool) -> dict:
     from tqdm import tqdm
 
-    rt = _runtime(cfg, any(m.method == "medusa" for m in cfg.methods))
+    rt = _runtime(cfg, any(m.method in ("medusa", "medusa+suffix") for m in cfg.methods))
     texts = load_prompts(cfg.prompts, cfg.max_prompts)
     if not texts:
         raise MedusaError(f"eval config: prompts: {cfg.prompts} gave no prompts")

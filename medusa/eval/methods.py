@@ -13,8 +13,9 @@ from medusa.eval.driver import RunResult, run_engine
 
 def make_proposer(rt, m: MethodSpec) -> Proposer | None:
     """The proposer of one of our methods (None: plain decoding), from the one proposer factory."""
-    spec = {"feature": f"feature:{m.heads}" if m.heads else "feature",
-            "draft": f"draft:{m.draft or 'default'}"}.get(m.method, m.method)
+    feature = f"feature:{m.heads}" if m.heads else "feature"
+    spec = {"feature": feature, "feature+suffix": f"{feature}+suffix", "draft": f"draft:{m.draft or 'default'}",
+            "suffix": f"suffix:{m.k}" if m.k else "suffix"}.get(m.method, m.method)
     # `medusa` is the Medusa heads over their default tree even where feature heads were loaded beside them.
     tree = m.tree or (DEFAULT_TREE if m.method == "medusa" else None)
     return build_proposer(rt, spec, tree, k=m.k, max_ngram=m.max_ngram)

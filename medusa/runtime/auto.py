@@ -18,12 +18,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from medusa.runtime.calibrate import Calibration
 from medusa.runtime.gate import AcceptanceGate
+from medusa.decoding.engine import StepPolicy
 from medusa.decoding.proposers import Proposer
 from medusa.decoding.tree import Tree, build_tree, expected_tau
+
+if TYPE_CHECKING:
+    from medusa.decoding.engine import Batch
 
 # Predicted speedups below this are not worth the risk of being wrong: the curve and the accuracies are
 # estimates, and a near-tie gains nothing a user would notice.
@@ -92,14 +96,17 @@ def plan(cal: Calibration, accuracy: list[list[float]], trees: list[Tree], batch
     return best
 
 
-class AutoSpeculation:
+class AutoSpeculation(StepPolicy):
     """The engine's per-step choice in auto mode: the plan for the current number of rows, unless the
     acceptance gate has measured speculation losing there."""
 
     def __init__(self, plans: Callable[[int], Plan], make_proposer: Callable[[Tree], Proposer],
-                 max_tree_size: int, predicted: bool = True, gate: AcceptanceGate | None = None):
-        """`predicted`: the plans come from a prediction (False: a fixed tree, judged by the gate alone)."""
+                 max_tree_size: int, predicted: bool = True, gate: AcceptanceGate | None = None,
+                 attach: Callable[["Batch"], None] | None = None):
+        """`predicted`: the plans come from a prediction (False: a fixed tree, judged by the gate alone);
+        `attach`: sets up the per-row state the planned proposers share, before a batch's prefill."""
         self._plans = plans
+        self._attach = attach
         self.predicted = predicted
         self._make = make_proposer
         self._proposers: dict[str, Proposer] = {}
@@ -110,6 +117,10 @@ class AutoSpeculation:
 
     def plan(self, rows: int) -> Plan:
         return self._plans(rows)
+
+    def attach(self, batch: "Batch") -> None:
+        if self._attach is not None:
+            self._attach(batch)
 
     def choose(self, rows: int) -> Proposer | None:
         self.gate.tick()

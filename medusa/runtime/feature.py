@@ -74,8 +74,7 @@ def feature_proposer(rt: "Runtime", tree: str | None = None, batch_size: int = 1
             raise MedusaError(f"--tree: feature heads grow dynamic trees; name one as dynamic-N, dynamic-NxD "
                               f"or dynamic-NxDxK, not {tree!r}")
         return FeatureProposer(rt.feature, rt.model, parse_shape(str(tree)), runner=runner)
-    auto = feature_auto(rt, batch_size, progress=False)
-    shape = auto.shape_for(batch_size) if auto is not None else None
+    shape = _FeatureAuto(rt, False, batch_size).shape_for(batch_size)
     return FeatureProposer(rt.feature, rt.model, shape or DEFAULT_SHAPE, runner=runner)
 
 
@@ -112,6 +111,16 @@ class _FeatureAuto:
             self.shapes[plan.tree.name] = shape
         return plan
 
+    def shape_for(self, rows: int) -> TreeShape | None:
+        """The planned shape at `rows` rows (None: plain decoding)."""
+        tree = self.plan(rows).tree
+        return self.shapes.get(tree.name) if tree is not None else None
+
+    def attach(self, batch) -> None:
+        """The head's per-row state, shared by every planned shape, before the batch's prefill (prompts
+        then need no second pass)."""
+        self.make(None).attach(batch)
+
     def make(self, tree):
         """The planned tree's proposer: the feature head's, with retrieval grafted in unless turned off."""
         shape = self.shapes.get(tree.name, DEFAULT_SHAPE) if tree is not None else DEFAULT_SHAPE
@@ -124,11 +133,8 @@ def feature_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "Auto
     from medusa.runtime.auto import AutoSpeculation
 
     planner = _FeatureAuto(rt, progress, batch_size)
-    auto = AutoSpeculation(planner.plan, planner.make, 65)  # the largest planned tree: 64 nodes + the root
-    auto.shape_for = lambda rows: planner.shapes.get(getattr(planner.plan(rows).tree, "name", ""))
-    # Engine.generate attaches the head's per-row state before the prefill, so prompts need no second pass.
-    auto.attach = lambda batch: planner.make(None).attach(batch)
-    return auto
+    # The largest planned tree: 64 nodes + the root.
+    return AutoSpeculation(planner.plan, planner.make, 65, attach=planner.attach)
 
 
 def plan_shape(cal, accuracy: list[list[float]], batch: int, draft_ms, shapes: list[TreeShape] | None = None):

@@ -47,6 +47,7 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
     """The FastAPI app; builds the runtime from `cfg` unless one is given (tests pass tiny models)."""
     if rt is None:
         rt = Runtime.load(cfg.model, cfg.heads, cfg.dtype, cfg.device)
+        rt.retrieval = cfg.retrieval
     if draft is None and cfg.draft:
         draft = load_draft(cfg, rt)
     server = Server(cfg, rt, draft)

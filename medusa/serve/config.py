@@ -62,6 +62,9 @@ class ServeConfig(BaseModel):
     heads: str = "default"
     draft: str | None = None
     draft_k: int = Field(4, ge=1, le=16)
+    # Drafts from the text itself (prompt and output so far) grafted into the heads' dynamic trees
+    # (`medusa.decoding.retrieval`); false: the heads alone.
+    retrieval: bool = True
     dtype: str = "auto"  # auto: bf16 where the hardware multiplies it natively, fp32 elsewhere
     device: str | None = None
     # torch CPU threads of the engine. Default on CPU: all cores but one. The HTTP side (event loop,

@@ -62,8 +62,8 @@ def heads_proposer(rt: Runtime, name: str, planned: Tree | None = None) -> Any:
     """The runtime's heads over tree `name`: dynamic trees (`dynamic-N[xD[xK]]`) by name, static trees as
     calibration planned them or by the one tree parser."""
     try:
-        if name.startswith("dynamic-") or rt.feature is not None:
-            return rt.proposer("medusa", name)
+        if name.startswith("dynamic-") or rt.feature is not None:  # dynamic trees: retrieval grafted in
+            return rt.proposer("medusa+suffix" if rt.retrieval else "medusa", name)
         return rt.proposer("medusa", planned or load_tree(name, heads_dir=rt.heads.directory))
     except MedusaError as exc:
         raise MedusaError(f"policy.trees: {str(exc).removeprefix('--tree: ')}") from None

@@ -52,7 +52,7 @@ class Server:
         """Per-row proposer state a new batch needs before its first prefill (feature heads keep the
         prompts' features then, and every step's after)."""
         for proposer in [*self.medusa.values(), self.draft]:
-            if hasattr(proposer, "attach"):
+            if proposer is not None:
                 proposer.attach(batch)
     def proposer_for(self, decision: Decision) -> Any:
         if decision.mode == "medusa":
