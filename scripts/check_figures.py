@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Check that the README's tables of measured figures say what their result files say.
+"""Check that the tables of measured figures in the README and the docs pages say what their result files say.
 
 A table cites its result files by naming them (`benchmarks/results/NAME.json`, brace lists such as
 `bench-{native,avx2}.json` and globs allowed, or a bare file name that exists there) in the text between
@@ -9,9 +9,10 @@ it is printed with (41 matches 40.6 but not 40.46; 12% matches 0.12; 28k matches
 
 Tables that cite files but whose figures cannot all be found there are listed in UNCHECKED with the
 reason; the script says which ones it skipped. A table that cites nothing is not a results table and is
-not checked. Exit status 1 when a figure is missing or an UNCHECKED entry no longer matches a table.
+not checked. Exit status 1 when a figure is missing or, when the README and every docs page are checked
+(the default), an UNCHECKED entry no longer matches a table in any of them.
 
-    python scripts/check_figures.py [README.md]
+    python scripts/check_figures.py [FILE.md ...]     # default: README.md and docs/*.md
 """
 
 from __future__ import annotations
@@ -155,21 +156,37 @@ def found(value: float, half: float, numbers: list[float]) -> bool:
     return any(abs(v - value) <= half + eps for v in numbers)
 
 
-def check(readme: Path) -> tuple[list[str], list[str], list[str]]:
-    """(problems, lines describing what was checked, lines describing what was not)."""
+def default_files() -> list[Path]:
+    """The README and every docs page."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def shown(path: Path) -> str:
+    """A file's name as messages give it: relative to the repository where it lies inside it."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return path.name
+
+
+def check(readme: Path, seen_unchecked: set | None = None,
+          cache: dict[str, list[float]] | None = None) -> tuple[list[str], list[str], list[str]]:
+    """(problems, lines describing what was checked, lines describing what was not) for one Markdown file.
+    The UNCHECKED entries it meets are added to `seen_unchecked`."""
     lines = readme.read_text().splitlines()
+    name = shown(readme)
     problems, checked, skipped = [], [], []
-    seen_unchecked = set()
-    cache: dict[str, list[float]] = {}
+    seen_unchecked = set() if seen_unchecked is None else seen_unchecked
+    cache = {} if cache is None else cache
     for t in tables(lines):
         if not t.cites:
             count = sum(len(figures(row)) for _, row in t.rows)
             if count:
-                skipped.append(f"line {t.line}: cites no result file, {count} figures not checked")
+                skipped.append(f"{name} line {t.line}: cites no result file, {count} figures not checked")
             continue
         if t.header in UNCHECKED:
             seen_unchecked.add(t.header)
-            skipped.append(f"line {t.line}: not checked ({UNCHECKED[t.header]}); cites {', '.join(t.cites)}")
+            skipped.append(f"{name} line {t.line}: not checked ({UNCHECKED[t.header]}); cites {', '.join(t.cites)}")
             continue
         numbers = [v for f in t.cites for v in cache.setdefault(f, file_numbers(ROOT / f))]
         rows = []
@@ -177,25 +194,39 @@ def check(readme: Path) -> tuple[list[str], list[str], list[str]]:
             key = (t.header, row.strip().strip("|").split("|")[0].strip())
             if key in UNCHECKED:
                 seen_unchecked.add(key)
-                skipped.append(f"line {n}: row not checked ({UNCHECKED[key]})")
+                skipped.append(f"{name} line {n}: row not checked ({UNCHECKED[key]})")
             else:
                 rows.append((n, row))
         missing = [(n, printed) for n, row in rows for printed, value, half in figures(row)
                    if not found(value, half, numbers)]
         count = sum(len(figures(row)) for _, row in rows)
-        checked.append(f"line {t.line}: {count} figures against {', '.join(t.cites)}")
+        checked.append(f"{name} line {t.line}: {count} figures against {', '.join(t.cites)}")
         for n, printed in missing:
-            problems.append(f"{readme.name}:{n}: {printed} is in none of {', '.join(t.cites)}")
-    for header in UNCHECKED if readme.resolve() == ROOT / "README.md" else ():
-        if header not in seen_unchecked:
-            problems.append(f"UNCHECKED names no table or row of a citing table in the README: {header}")
+            problems.append(f"{name}:{n}: {printed} is in none of {', '.join(t.cites)}")
+    return problems, checked, skipped
+
+
+def check_all(files: list[Path]) -> tuple[list[str], list[str], list[str]]:
+    """check() over every file; when they include the README and every docs page, each UNCHECKED entry
+    must match a table (or a row of a citing table) in one of them."""
+    problems, checked, skipped = [], [], []
+    seen_unchecked: set = set()
+    cache: dict[str, list[float]] = {}
+    for path in files:
+        p, c, s = check(path, seen_unchecked, cache)
+        problems, checked, skipped = problems + p, checked + c, skipped + s
+    if {f.resolve() for f in default_files()} <= {f.resolve() for f in files}:
+        for header in UNCHECKED:
+            if header not in seen_unchecked:
+                problems.append("UNCHECKED names no table or row of a citing table in the README or the docs "
+                                f"pages: {header}")
     return problems, checked, skipped
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    readme = Path(argv[0]) if argv else ROOT / "README.md"
-    problems, checked, skipped = check(readme)
+    files = [Path(a) for a in argv] if argv else default_files()
+    problems, checked, skipped = check_all(files)
     for line in checked + skipped:
         print(line)
     for p in problems:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install the project with everything its tests, training, evaluation and server use.
+# Create .venv and install the project with everything its tests, training, evaluation, server and docs use.
 # The distribution (medusa-decoding) takes any torch >= 2.6; here the CPU wheel of the release the project is
 # tested with is installed first, so no CUDA build is pulled in.
 set -euo pipefail
@@ -14,4 +14,4 @@ fi
 if .venv/bin/python -m pip show -q medusa >/dev/null 2>&1; then
   .venv/bin/python -m pip uninstall -q -y medusa
 fi
-.venv/bin/python -m pip install -q -e ".[train,eval,serve,test]"
+.venv/bin/python -m pip install -q -e ".[train,eval,serve,test,docs]"

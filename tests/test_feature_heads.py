@@ -125,7 +125,8 @@ def test_plain_steps_keep_features(small):
     model, engine = small
     proposer = FeatureProposer(random_head(model), engine.model, TreeShape(6, 3, 2))
     batch = engine.new_batch(3, 96, MAX_NEW)
-    state = proposer.attach(batch)
+    proposer.attach(batch)
+    state = batch.aux["feature"]
     prompts = mixed_prompts(3, vocab=V, seed=6)
     engine.add(batch, [0, 1, 2], prompts, MAX_NEW)
     for _ in range(4):
@@ -484,7 +485,8 @@ def test_fused_layer_features_are_the_targets_hidden_states():
     proposer = FeatureProposer(head, engine.model, TreeShape(6, 3, 2))
     prompts = mixed_prompts(3, vocab=V, seed=11)
     batch = engine.new_batch(3, 96, 20)
-    state = proposer.attach(batch)
+    proposer.attach(batch)
+    state = batch.aux["feature"]
     engine.add(batch, [0, 1, 2], prompts, 20)
     for _ in range(4):
         engine.step(batch, proposer)

@@ -1,5 +1,6 @@
-"""The server drafting with feature heads (EAGLE-style) and with Medusa heads over dynamic trees: under the
-dynamic policy, with log-probabilities, the trees each kind of head takes, and no second prefill."""
+"""The server drafting with feature heads (EAGLE-style), with Medusa heads over dynamic trees and with retrieval
+alone (no heads): under the dynamic policy, with log-probabilities, the trees each kind of head takes, and no
+second prefill."""
 
 from __future__ import annotations
 
@@ -86,3 +87,17 @@ def test_medusa_heads_over_a_dynamic_tree_match_decoding_alone(rt, tokenizer):
         steps = _metric(httpx.get(url + "/metrics", timeout=10).text, 'medusa_steps_total{mode="medusa"}')
     assert got == [alone(rt, tokenizer(p)["input_ids"], m)[0] for p, m in prompts]
     assert steps > 0
+
+
+def test_retrieval_alone_without_heads(tokenizer):
+    """A model without heads still speculates: retrieval trees (`suffix-N`, the default without heads),
+    every greedy stream equal to its prompt decoded alone; a heads' tree name is refused, naming the key."""
+    bare = tiny_runtime(tokenizer, seed=4, heads=False)
+    server = create_app(ServeConfig(dtype="fp32", policy={"mode": "medusa"}), bare).state.server
+    assert list(server.medusa) == ["suffix-16"]
+    with serve(bare, policy={"mode": "medusa", "trees": {1: "suffix-8"}}, max_queue=64) as url:
+        check_concurrent_streams(url, bare, tokenizer, 8)
+        steps = _metric(httpx.get(url + "/metrics", timeout=10).text, 'medusa_steps_total{mode="medusa"}')
+    assert steps > 0
+    with pytest.raises(MedusaError, match="policy.trees: 'tree-8': without heads the trees are retrieval's"):
+        create_app(ServeConfig(dtype="fp32", policy={"trees": {1: "tree-8"}, "calibrate": False}), bare)

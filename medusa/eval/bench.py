@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
     from medusa.runtime.feature import bench_methods
 
     fixed.update(bench_methods(rt, args.feature))
+    suffix = rt.proposer("suffix")  # retrieval alone: what auto mode grafts onto the heads' trees
+    fixed[f"suffix:{suffix.tree.name}"] = suffix
     prompts = rt.encode(load_prompts(args.prompts, args.num_prompts))
     rt.auto(1)  # calibrate (once per machine) before anything is timed
     n_new = args.max_new_tokens

@@ -24,7 +24,8 @@ def calibrated_policy(cfg: ServeConfig, rt: Runtime, draft: Any) -> tuple[CostMo
     plans `--mode auto` makes), with the trees they name; nothing when a cost_model file decides, the
     policy is fixed, a draft is served, or the heads carry no eval.json to predict from."""
     pc = cfg.policy
-    if pc.mode != "dynamic" or pc.cost_model or not pc.calibrate or draft is not None or not has_heads(rt):
+    if (pc.mode != "dynamic" or pc.cost_model or not pc.calibrate or draft is not None
+            or (rt.heads is None and rt.feature is None)):  # retrieval alone: nothing to predict from
         return None, {}
     auto = rt.auto(cfg.max_batch)
     if auto is None or not auto.predicted:
@@ -36,8 +37,9 @@ def calibrated_policy(cfg: ServeConfig, rt: Runtime, draft: Any) -> tuple[CostMo
 
 
 def has_heads(rt: Runtime) -> bool:
-    """Whether the runtime loaded heads of its own (Medusa or feature heads): the policy's "medusa" mode."""
-    return rt.heads is not None or rt.feature is not None
+    """Whether the runtime drafts without a draft model (the policy's "medusa" mode): heads of its own
+    (Medusa or feature heads), or, without heads, retrieval alone (`suffix-N` trees)."""
+    return rt.heads is not None or rt.feature is not None or rt.retrieval
 
 
 def default_trees(rt: Runtime) -> dict[int, str]:
@@ -47,6 +49,10 @@ def default_trees(rt: Runtime) -> dict[int, str]:
         from medusa.runtime.feature import DEFAULT_SHAPE
 
         return {1: f"dynamic-{DEFAULT_SHAPE.nodes}x{DEFAULT_SHAPE.depth}x{DEFAULT_SHAPE.topk}"}
+    if rt.heads is None:
+        from medusa.runtime.proposers import SUFFIX_NODES
+
+        return {1: f"suffix-{SUFFIX_NODES}"}
     return {1: DEFAULT_TREE}
 
 
@@ -62,6 +68,10 @@ def heads_proposer(rt: Runtime, name: str, planned: Tree | None = None) -> Any:
     """The runtime's heads over tree `name`: dynamic trees (`dynamic-N[xD[xK]]`) by name, static trees as
     calibration planned them or by the one tree parser."""
     try:
+        if rt.heads is None and rt.feature is None:  # retrieval alone: suffix-N, N nodes
+            if not name.startswith("suffix-"):
+                raise MedusaError(f"{name!r}: without heads the trees are retrieval's, named suffix-N")
+            return build_proposer(rt, name.replace("suffix-", "suffix:", 1))
         if name.startswith("dynamic-") or rt.feature is not None:  # dynamic trees: retrieval grafted in
             return rt.proposer("medusa+suffix" if rt.retrieval else "medusa", name)
         return rt.proposer("medusa", planned or load_tree(name, heads_dir=rt.heads.directory))
