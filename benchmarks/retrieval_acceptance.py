@@ -9,6 +9,10 @@ next one is right too.
 
     python benchmarks/retrieval_acceptance.py --distilled data/distill-sharegpt --shards 8 \
         --json benchmarks/results/retrieval_acceptance.json
+
+With `--datastore DIR` the continuations come from a datastore (`medusa datastore build`) matched against
+prompt + answer so far instead: build it from other answers than the ones measured, e.g. the first 64
+shards (`--limit 8192`), and measure on the last ones.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ from medusa.decoding.retrieval import MATCH_BUCKETS, match_bucket
 from medusa.decoding.suffix import SuffixAutomaton
 
 
-def measure(pairs, k: int, depth: int) -> dict:
+def measure(pairs, k: int, depth: int, store=None) -> dict:
     first = defaultdict(lambda: [0, 0])  # (bucket, top) -> [right, drafted]
     nxt = defaultdict(lambda: [0, 0])  # bucket -> [right, tried after a right token]
     for prompt, answer in pairs:
-        sam = SuffixAutomaton(prompt)
+        sam = SuffixAutomaton(prompt) if store is None else store.matcher()
+        if store is not None:
+            sam.feed(prompt)
         for i, tok in enumerate(answer):
             truth = answer[i:]
             level_top = set()
@@ -43,7 +49,10 @@ def measure(pairs, k: int, depth: int) -> dict:
                 if ok:
                     nxt[b][0] += min(ok, tried + 1) - 1
                     nxt[b][1] += min(ok, tried)
-            sam.extend(tok)
+            if store is None:
+                sam.extend(tok)
+            else:
+                sam.feed([tok])
     table = []
     for b, lo in enumerate(MATCH_BUCKETS):
         row = {"match_len_from": lo}
@@ -66,12 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=8, help="the last N complete shards")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--datastore", default=None, help="continuations from this datastore instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     shards = load_shards(args.distilled)[-args.shards:]
     pairs = [(list(p), list(r)) for _, ds in shards for p, r in zip(ds["prompt_ids"], ds["response_ids"])]
-    out = measure(pairs, args.k, args.depth)
-    out.update(source=args.distilled, shards=[name for name, _ in shards], answers=len(pairs))
+    store = None
+    if args.datastore:
+        from medusa.decoding.suffix import Datastore
+
+        store = Datastore.load(args.datastore)
+    out = measure(pairs, args.k, args.depth, store)
+    out.update(source=args.distilled, shards=[name for name, _ in shards], answers=len(pairs),
+               datastore=args.datastore)
     print(f"{'match':>6} {'first(top)':>11} {'n':>7} {'first(other)':>13} {'n':>7} {'next':>6} {'n':>7}")
     for row in out["buckets"]:
         print(f"{row['match_len_from']:>5}+ {row['first_top']!s:>11} {row['n_top']:>7} {row['first_other']!s:>13} "

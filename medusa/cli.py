@@ -15,7 +15,8 @@ from medusa.runtime.args import add_model_args, add_sampling_args, sampling_from
 from medusa.runtime.proposers import MODES
 
 # Subcommands that live elsewhere register themselves through `add_parser(subparsers)`.
-EXTERNAL_COMMANDS = ["medusa.eval.cli", "medusa.runtime.calibrate", "medusa.train.cli", "medusa.serve.cli"]
+EXTERNAL_COMMANDS = ["medusa.eval.cli", "medusa.runtime.calibrate", "medusa.runtime.datastore", "medusa.train.cli",
+                     "medusa.serve.cli"]
 
 
 # The distribution's name (pyproject.toml); the package it installs is `medusa`.
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--retrieval", default="on", choices=["on", "off"],
                    help="auto mode drafts from the text itself too (merged into feature heads' trees, or alone "
                         "without heads); off: heads alone")
+    g.add_argument("--datastore", default=None, help="retrieval also drafts from this corpus (`medusa datastore "
+                   "build`)")
     g.add_argument("--tree", default=None, help="with --mode medusa: tree file or name (tree-8/16/32/64), or a "
                    "per-row dynamic tree dynamic-N[xD[xK]] (N nodes, D draft steps, top-K; feature heads take only these)")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -84,6 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     rt = Runtime.load(args.model, "none" if args.mode in ("plain", "suffix") else args.heads, args.dtype, args.device)
     rt.retrieval = args.retrieval == "on"
+    rt.use_datastore(args.datastore)
     prompts = rt.encode(args.prompt, raw=args.raw)
     auto = rt.auto(len(prompts)) if args.mode == "auto" else None
     proposer = rt.proposer(args.mode, args.tree) if args.mode != "auto" else None

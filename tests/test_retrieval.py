@@ -183,3 +183,39 @@ def test_bad_settings_are_clear_errors(small):
         Retriever(0, 4)
     with pytest.raises(MedusaError, match="do not fit"):
         SuffixProposer(40, Retriever(2, 8))
+
+
+def test_a_datastore_of_earlier_outputs_is_drafted_from(small, tmp_path):
+    """Retrieval over a corpus that holds what the rows will write: more accepted, output unchanged."""
+    from medusa.decoding.suffix import Datastore
+    from medusa.runtime.datastore import load
+
+    model, engine = small
+    prompts = mixed_prompts(4, vocab=V, seed=50)
+    plain = engine.generate(prompts, 24)
+    Datastore.build([p + o.tokens for p, o in zip(prompts, plain.outputs)]).save(tmp_path / "store")
+    store = load(tmp_path / "store", V)
+    alone = engine.generate(prompts, 24, SuffixProposer(8, Retriever(3, 6)))
+    both = engine.generate(prompts, 24, SuffixProposer(8, Retriever(3, 6, store=store)))
+    assert [o.tokens for o in both.outputs] == [o.tokens for o in plain.outputs]
+    assert both.stats.forward_passes < alone.stats.forward_passes
+    with pytest.raises(MedusaError, match="outside the model's vocabulary of 5: it was built for another"):
+        load(tmp_path / "store", 5)
+
+
+def test_datastore_cli_builds_from_a_text_file(tmp_path, capsys):
+    import json
+
+    from medusa.cli import main
+    from medusa.decoding.suffix import Datastore
+
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("\n".join(json.dumps({"text": f"Line {i}: the quick brown fox jumps."}) for i in range(5)))
+    assert main(["datastore", "build", "--from", str(texts), "--out", str(tmp_path / "ds")]) == 0
+    assert "5 sequences" in capsys.readouterr().out
+    info = json.loads((tmp_path / "ds" / "datastore.json").read_text())
+    assert info["sequences"] == 5 and info["tokens"] > 5 * 8
+    store = Datastore.load(tmp_path / "ds")
+    assert store.match(store.text[:6].tolist()).length == 6  # its own text is found
+    assert main(["datastore", "build", "--from", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "x")]) == 2
+    assert "--from: " in capsys.readouterr().err

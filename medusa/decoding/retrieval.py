@@ -33,7 +33,7 @@ import torch
 from medusa.decoding.dynamic_tree import NEG, Growth, Pool, RowTrees, stand_in_tree
 from medusa.decoding.proposers import Proposer, RowState
 from medusa.decoding.ragged import aux_state, context
-from medusa.decoding.suffix import SuffixAutomaton
+from medusa.decoding.suffix import Datastore, Matcher, SuffixAutomaton
 from medusa.errors import MedusaError
 
 if TYPE_CHECKING:
@@ -65,9 +65,14 @@ def match_bucket(match_len: int) -> int:
     return b
 
 
-def token_scores(match_len: int, top: bool, length: int) -> list[float]:
+# The same for continuations read from a datastore (a corpus the row's text is not part of): measured with
+# `--datastore` on held-out answers (benchmarks/results/retrieval_acceptance_datastore.json).
+STORE_ACCEPT = ACCEPT
+
+
+def token_scores(match_len: int, top: bool, length: int, table=ACCEPT) -> list[float]:
     """Cumulative log-chance of acceptance of each token of a continuation."""
-    first, other, nxt = ACCEPT[match_bucket(match_len)]
+    first, other, nxt = table[match_bucket(match_len)]
     start = math.log(first if top else other)
     return [start + j * math.log(nxt) for j in range(length)]
 
@@ -93,79 +98,117 @@ class Chains:
 
 
 class RetrievalState(RowState):
-    """Per-row suffix automata, by request id (rows move, ids stay); one per batch (`batch.aux`)."""
+    """Per-row suffix automata (and datastore matchers), by request id (rows move, ids stay); one per batch
+    (`batch.aux`)."""
 
-    def __init__(self):
+    def __init__(self, store: Datastore | None = None):
+        self.store = store
         self.automata: dict[Hashable, SuffixAutomaton] = {}
+        self.matchers: dict[Hashable, Matcher] = {}
 
-    def sync(self, ids: list[Hashable], texts: list[list[int]]) -> list[SuffixAutomaton]:
-        """Each row's automaton fed up to its text (committed tokens, then the pending root)."""
+    def sync(self, ids: list[Hashable], texts: list[list[int]]) -> list[tuple[SuffixAutomaton, Matcher | None]]:
+        """Each row's automaton (and matcher) fed up to its text (committed tokens, then the pending root)."""
         out = []
         for i, text in zip(ids, texts):
             sam = self.automata.get(i)
             if sam is None or len(sam.text) > len(text) or (sam.text and sam.text[-1] != text[len(sam.text) - 1]):
                 sam = self.automata[i] = SuffixAutomaton()
-            sam.extend_many(text[len(sam.text):])
-            out.append(sam)
+                if self.store is not None:
+                    self.matchers[i] = self.store.matcher()
+            fed = len(sam.text)
+            sam.extend_many(text[fed:])
+            matcher = self.matchers.get(i)
+            if matcher is not None:
+                matcher.feed(text[fed:])
+            out.append((sam, matcher))
         for gone in set(self.automata) - set(ids):
             del self.automata[gone]
+            self.matchers.pop(gone, None)
         return out
 
 
 class Retriever:
     """Ranked continuations of each row's text: `branches` of at most `depth` tokens, from matches of at
-    least `min_match` tokens."""
+    least `min_match` tokens; with a datastore, `store_branches` more from the corpus (matches of at least
+    `store_min_match` tokens)."""
 
-    def __init__(self, branches: int = 4, depth: int = 8, min_match: int = 1):
-        if branches < 1 or depth < 1 or min_match < 1:
+    def __init__(self, branches: int = 4, depth: int = 8, min_match: int = 1, store: Datastore | None = None,
+                 store_branches: int = 2, store_min_match: int = 2):
+        if branches < 1 or depth < 1 or min_match < 1 or store_branches < 0 or store_min_match < 1:
             raise MedusaError(f"retrieval needs branches, depth and min_match >= 1, got {branches}, {depth}, "
                               f"{min_match}")
         self.branches, self.depth, self.min_match = branches, depth, min_match
+        self.store, self.store_branches, self.store_min_match = store, store_branches, store_min_match
 
     def chains(self, batch: "Batch") -> Chains:
         n = batch.n
-        state = aux_state(batch, AUX_KEY, lambda s: isinstance(s, RetrievalState), RetrievalState)
+        state = aux_state(batch, AUX_KEY, lambda s: isinstance(s, RetrievalState) and s.store is self.store,
+                          lambda: RetrievalState(self.store))
         lens = batch.cache.lens[:n]
         ctx = context(batch).cpu()
         ends = (lens + 1).tolist()
-        automata = state.sync(batch.ids[:n], [ctx[r, :e].tolist() for r, e in enumerate(ends)])
-        tokens = torch.zeros(n, self.branches, self.depth, dtype=torch.long)
-        scores = torch.full((n, self.branches, self.depth), NEG)
-        for r, sam in enumerate(automata):
-            levels = set()
-            for c, cont in enumerate(sam.continuations(self.branches, self.depth, self.min_match)):
-                top = cont.match_len not in levels
-                levels.add(cont.match_len)
+        rows = state.sync(batch.ids[:n], [ctx[r, :e].tolist() for r, e in enumerate(ends)])
+        width = self.branches + (self.store_branches if self.store is not None else 0)
+        tokens = torch.zeros(n, width, self.depth, dtype=torch.long)
+        scores = torch.full((n, width, self.depth), NEG)
+        for r, (sam, matcher) in enumerate(rows):
+            found = [(c, ACCEPT) for c in sam.continuations(self.branches, self.depth, self.min_match)]
+            if matcher is not None:
+                found += [(c, STORE_ACCEPT) for c in
+                          matcher.continuations(self.store_branches, self.depth, self.store_min_match)]
+            levels: set[tuple[int, int]] = set()
+            for c, (cont, table) in enumerate(found):
+                top = (id(table), cont.match_len) not in levels
+                levels.add((id(table), cont.match_len))
                 m = len(cont.tokens)
                 tokens[r, c, :m] = torch.tensor(cont.tokens)
-                scores[r, c, :m] = torch.tensor(token_scores(cont.match_len, top, m))
+                scores[r, c, :m] = torch.tensor(token_scores(cont.match_len, top, m, table))
         dev = batch.root.device
         return Chains(tokens.to(dev), scores.to(dev))
 
 
 def graft(pool: Pool, chains: Chains) -> None:
     """Add each continuation to `pool` as a path from the root: a node it meets (same parent and token) keeps
-    the higher of the two scores, the rest become new entries. Scores still fall along every path."""
-    n, c_count, depth = chains.tokens.shape
+    the higher of the two scores, the rest become new entries. Scores still fall along every path.
+
+    A walk over a few dozen small nodes per row: done on host lists, one read and one write of the pool,
+    where tensor ops per node would cost more in dispatch than the walk itself."""
+    n = chains.tokens.shape[0]
     tok, score, par, _ = pool.flat(n, chains.tokens.device)
-    for c in range(c_count):
-        attach = torch.full((n,), -1, dtype=torch.long, device=tok.device)
-        for j in range(depth):
-            t, s = chains.tokens[:, c, j], chains.scores[:, c, j]
-            valid = s > NEG
-            if not bool(valid.any()):
-                break
-            tok, score, par, _ = pool.flat(n, tok.device)
-            hit = (par == attach[:, None]) & (tok == t[:, None]) & (score > NEG)
-            found = hit.any(1) & valid
-            at = hit.long().argmax(1) if hit.shape[1] else torch.zeros_like(attach)
-            if bool(found.any()):
-                cur = score.gather(1, at[:, None])[:, 0]
-                score.scatter_(1, at[:, None], torch.where(found, torch.maximum(cur, s), cur)[:, None])
-            new = valid & ~found
-            start = pool.add(t[:, None], torch.where(new, s, NEG)[:, None], attach[:, None].clone(),
-                             (torch.full_like(t, j + 1))[:, None])
-            attach = torch.where(found, at, torch.where(new, start, attach))
+    lengths = (chains.scores > NEG).sum(-1)  # [n, C]: a continuation's tokens (scores are -inf past its end)
+    if not bool(lengths.any()):
+        return
+    size = tok.shape[1]
+    toks, scores, parents = tok.tolist(), score.tolist(), par.tolist()
+    c_tok, c_score, c_len = chains.tokens.tolist(), chains.scores.tolist(), lengths.tolist()
+    added: list[list[tuple[int, float, int, int]]] = []  # per row: (token, score, parent, depth)
+    for r in range(n):
+        row_s = scores[r]
+        at = {(parents[r][i], toks[r][i]): i for i in range(size) if row_s[i] > NEG}
+        extra: list[tuple[int, float, int, int]] = []
+        for c, length in enumerate(c_len[r]):
+            attach = -1
+            for j in range(length):
+                key, s = (attach, c_tok[r][c][j]), c_score[r][c][j]
+                i = at.get(key)
+                if i is None:
+                    i = at[key] = size + len(extra)
+                    extra.append((key[1], s, attach, j + 1))
+                elif i < size:
+                    row_s[i] = max(row_s[i], s)
+                else:
+                    extra[i - size] = (key[1], max(extra[i - size][1], s), *extra[i - size][2:])
+                attach = i
+        added.append(extra)
+    score.copy_(torch.tensor(scores, dtype=score.dtype))
+    width = max(len(e) for e in added)
+    if width:
+        pad = (0, NEG, -1, 1)  # dead entries: rows with fewer new nodes
+        cols = list(zip(*[e + [pad] * (width - len(e)) for e in added]))  # width tuples of n entries
+        t, sc, pa, de = (torch.tensor([[col[r][f] for col in cols] for r in range(n)],
+                                      dtype=torch.float if f == 1 else torch.long, device=tok.device)
+                         for f in range(4))
+        pool.add(t, sc.to(score.dtype), pa, de)
 
 
 class SuffixProposer(Proposer):

@@ -53,6 +53,7 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str = "default"
     heads: str = "default"
+    datastore: str | None = None      # a corpus the suffix methods also draft from (`medusa datastore build`)
     dtype: str = "auto"               # auto (the machine's choice), bf16, fp16, fp32 (and their long names)
     device: str | None = None
     prompts: str = "mtbench"          # mtbench, sharegpt or a local .txt/.json/.jsonl/.parquet file

@@ -125,7 +125,7 @@ class _FeatureAuto:
         """The planned tree's proposer: the feature head's, with retrieval grafted in unless turned off."""
         shape = self.shapes.get(tree.name, DEFAULT_SHAPE) if tree is not None else DEFAULT_SHAPE
         heads = FeatureProposer(self.rt.feature, self.rt.model, shape, runner=self.runner)
-        return MergedProposer(heads) if self.rt.retrieval else heads
+        return MergedProposer(heads, self.rt.retriever()) if self.rt.retrieval else heads
 
 
 def feature_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "AutoSpeculation":

@@ -42,7 +42,7 @@ def build_proposer(rt: "Runtime", spec: str, tree: "str | list | Tree | None" = 
     `k` is the draft's chain length (default 4) or lookup's token count when the spec gives none;
     `max_ngram` the longest n-gram prompt lookup matches."""
     if spec.endswith(MERGED):
-        return merged(build_proposer(rt, spec.removesuffix(MERGED), tree, k, max_ngram), spec)
+        return merged(build_proposer(rt, spec.removesuffix(MERGED), tree, k, max_ngram), rt.retriever(), spec)
     kind, _, arg = spec.partition(":")
     if kind in ("plain", "medusa") and arg:
         raise MedusaError(f"--mode: {spec!r}: {kind} takes no argument (choose {SPECS})")
@@ -63,7 +63,7 @@ def build_proposer(rt: "Runtime", spec: str, tree: "str | list | Tree | None" = 
     if kind == "suffix":
         from medusa.decoding.retrieval import SuffixProposer
 
-        return SuffixProposer(_count(spec, arg) if arg else SUFFIX_NODES)
+        return SuffixProposer(_count(spec, arg) if arg else SUFFIX_NODES, rt.retriever())
     raise MedusaError(f"--mode: unknown proposer {spec!r} (choose {SPECS})")
 
 
@@ -95,7 +95,7 @@ def _draft(rt: "Runtime", path: str, k: int) -> Proposer:
     return DraftProposer(draft, k)
 
 
-def merged(inner: Proposer | None, spec: str = "medusa+suffix") -> Proposer:
+def merged(inner: Proposer | None, retriever=None, spec: str = "medusa+suffix") -> Proposer:
     """`inner`'s dynamic trees with retrieval branches grafted in."""
     from medusa.decoding.dynamic_tree import MedusaDynamicProposer
     from medusa.decoding.feature_proposer import FeatureProposer
@@ -104,7 +104,7 @@ def merged(inner: Proposer | None, spec: str = "medusa+suffix") -> Proposer:
     if not isinstance(inner, (FeatureProposer, MedusaDynamicProposer)):
         raise MedusaError(f"--mode: {spec!r}: retrieval merges into dynamic trees: feature heads, or Medusa heads "
                           f"with --tree dynamic-N (use suffix alone for plain, static trees, drafts or lookup)")
-    return MergedProposer(inner)
+    return MergedProposer(inner, retriever)
 
 
 def _count(spec: str, arg: str) -> int:

@@ -28,7 +28,7 @@ def retrieval_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "Au
     from medusa.runtime.gate import bucket
 
     cal = load_or_measure(rt, [1 << i for i in range(bucket(batch_size).bit_length())], progress=progress)
-    proposers = {n: SuffixProposer(n) for n in SIZES}
+    proposers = {n: SuffixProposer(n, rt.retriever()) for n in SIZES}
 
     @functools.lru_cache(maxsize=None)
     def plans(rows: int) -> Plan:

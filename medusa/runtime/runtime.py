@@ -25,6 +25,8 @@ from medusa.runtime.proposers import MODES, build_proposer
 if TYPE_CHECKING:
     from medusa.runtime.auto import AutoSpeculation
     from medusa.decoding.feature_heads import FeatureHead
+    from medusa.decoding.retrieval import Retriever
+    from medusa.decoding.suffix import Datastore
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Runtime:
     # Auto mode drafts from the text itself too: retrieval merged into the feature heads' trees, or alone
     # when there are no heads (`--retrieval off`: heads alone, or plain decoding without heads).
     retrieval: bool = True
+    datastore: "Datastore | None" = None  # a corpus retrieval also drafts from (`--datastore DIR`)
 
     def __post_init__(self) -> None:
         if self.dtype is None:
@@ -95,6 +98,18 @@ class Runtime:
             plans = functools.lru_cache(maxsize=None)(lambda rows: plan(cal, accuracy, trees, rows))
         return AutoSpeculation(plans, lambda tree: MedusaProposer(self.heads, tree, projection=self.model.lm_head),
                                max(t.size for t in trees), predicted=accuracy is not None)
+
+    def use_datastore(self, directory: str | None) -> None:
+        """Draft from the datastore at `directory` too (None: the row's own text only)."""
+        from medusa.runtime.datastore import load
+
+        self.datastore = None if directory is None else load(directory, self.model.config.vocab_size)
+
+    def retriever(self) -> "Retriever":
+        """Retrieval as configured: the row's own text, and the datastore when one is loaded."""
+        from medusa.decoding.retrieval import Retriever
+
+        return Retriever(store=self.datastore)
 
     def proposer(self, mode: str, tree: str | list | Tree | None = None) -> Proposer | None:
         """`--mode plain|medusa|suffix|medusa+suffix` (with `--tree`): see

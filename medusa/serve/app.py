@@ -48,6 +48,7 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
     if rt is None:
         rt = Runtime.load(cfg.model, cfg.heads, cfg.dtype, cfg.device)
         rt.retrieval = cfg.retrieval
+        rt.use_datastore(cfg.datastore)
     if draft is None and cfg.draft:
         draft = load_draft(cfg, rt)
     server = Server(cfg, rt, draft)

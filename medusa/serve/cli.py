@@ -20,6 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None, help="draft model (shares the target's tokenizer) for draft speculation")
     p.add_argument("--retrieval", default=None, choices=["on", "off"], help="graft drafts from the text itself "
                    "into the heads' dynamic trees (config retrieval, default on)")
+    p.add_argument("--datastore", default=None, help="a corpus retrieval also drafts from (config datastore)")
     p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES, metavar="{auto,bf16,fp16,fp32}")
     p.add_argument("--device", default=None)
     p.add_argument("--threads", type=int, default=None, help="engine CPU threads (default: cores - 1)")
@@ -47,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    keys = ("model", "heads", "draft", "dtype", "device", "threads", "host", "port", "docs", "served_model_name",
+    keys = ("model", "heads", "draft", "datastore", "dtype", "device", "threads", "host", "port", "docs", "served_model_name",
             "max_context", "max_batch", "api_key", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s")
     overrides = {k: getattr(args, k) for k in keys}
     overrides["retrieval"] = None if args.retrieval is None else args.retrieval == "on"

@@ -65,6 +65,7 @@ class ServeConfig(BaseModel):
     # Drafts from the text itself (prompt and output so far) grafted into the heads' dynamic trees
     # (`medusa.decoding.retrieval`); false: the heads alone.
     retrieval: bool = True
+    datastore: str | None = None  # a corpus retrieval also drafts from (`medusa datastore build`)
     dtype: str = "auto"  # auto: bf16 where the hardware multiplies it natively, fp32 elsewhere
     device: str | None = None
     # torch CPU threads of the engine. Default on CPU: all cores but one. The HTTP side (event loop,
