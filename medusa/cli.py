@@ -15,7 +15,7 @@ from medusa.runtime.args import add_model_args, add_sampling_args, sampling_from
 from medusa.runtime.proposers import MODES
 
 # Subcommands that live elsewhere register themselves through `add_parser(subparsers)`.
-EXTERNAL_COMMANDS = ["medusa.eval.cli", "medusa.runtime.calibrate", "medusa.runtime.datastore", "medusa.train.cli",
+EXTERNAL_COMMANDS = ["medusa.eval.cli", "medusa.runtime.calibrate", "medusa.train.datastore", "medusa.train.cli",
                      "medusa.serve.cli"]
 
 
@@ -85,9 +85,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.tree is not None and args.mode not in ("medusa", "medusa+suffix"):
         raise MedusaError("--tree chooses the tree of --mode medusa or medusa+suffix; --mode auto picks its own")
     sampling = sampling_from_args(args)
-    rt = Runtime.load(args.model, "none" if args.mode in ("plain", "suffix") else args.heads, args.dtype, args.device)
-    rt.retrieval = args.retrieval == "on"
-    rt.use_datastore(args.datastore)
+    rt = Runtime.load(args.model, "none" if args.mode in ("plain", "suffix") else args.heads, args.dtype, args.device,
+                      retrieval=args.retrieval == "on", datastore=args.datastore)
     prompts = rt.encode(args.prompt, raw=args.raw)
     auto = rt.auto(len(prompts)) if args.mode == "auto" else None
     proposer = rt.proposer(args.mode, args.tree) if args.mode != "auto" else None

@@ -96,6 +96,50 @@ def test_files_are_short(path: Path):
     assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES}: split it by topic)"
 
 
+# Where proposers and step policies are used: their contract (medusa.decoding.proposers.Proposer,
+# medusa.decoding.engine.StepPolicy) is explicit, so nothing there probes an object for what it can do.
+PROPOSER_USERS = ["decoding/engine.py", "runtime/auto.py", "serve/server.py", "serve/scheduler.py", "serve/policy.py",
+                  "serve/admission.py", "serve/proposers.py"]
+
+
+def duck_typing(path: Path) -> list[str]:
+    """hasattr() calls, and getattr() on anything but an HF model (whose config varies by architecture)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr"):
+            target = ast.unparse(node.args[0]) if node.args else ""
+            if node.func.id == "hasattr" or not target.endswith("hf_model"):
+                found.append(f"line {node.lineno}: {node.func.id}({target}, ...)")
+    return found
+
+
+def patched_behaviour(path: Path) -> list[str]:
+    """Functions assigned onto another object's attributes (monkey-patching instead of a declared method)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Assign):
+            continue
+        is_function = isinstance(node.value, ast.Lambda) or (
+            isinstance(node.value, ast.Call) and ast.unparse(node.value.func).endswith("partial"))
+        for t in node.targets:
+            if (is_function and isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                    and t.value.id not in ("self", "cls")):
+                found.append(f"line {node.lineno}: {ast.unparse(t)} = ...")
+    return found
+
+
+@pytest.mark.parametrize("name", PROPOSER_USERS)
+def test_proposers_are_used_through_their_contract(name: str):
+    found = duck_typing(PACKAGE / name)
+    assert not found, f"medusa/{name} probes objects instead of using their declared contract: {found}"
+
+
+@pytest.mark.parametrize("path", package_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_behaviour_is_patched_onto_other_objects(path: Path):
+    found = patched_behaviour(path)
+    assert not found, f"{path.relative_to(ROOT)} assigns functions onto other objects (declare a method): {found}"
+
+
 def test_the_checks_see_a_violation(tmp_path: Path):
     """The import walker finds lazy imports and private names, so the tests above can fail."""
     bad = tmp_path / "bad.py"
@@ -103,3 +147,9 @@ def test_the_checks_see_a_violation(tmp_path: Path):
     assert project_imports(bad) == [(2, "medusa.serve.app", ["_private"])]
     assert layer_of("medusa.serve.app") == ("serve", 5)
     assert layer_of("medusa.decoding.engine") == ("decoding", 3)
+    probe = tmp_path / "probe.py"
+    probe.write_text("if hasattr(p, 'attach'):\n    x = getattr(p, 'owns_step', False)\n"
+                     "y = getattr(rt.hf_model, 'name_or_path', '')\nauto.attach = lambda b: None\n"
+                     "self.ok = lambda: 1\n")
+    assert duck_typing(probe) == ["line 1: hasattr(p, ...)", "line 2: getattr(p, ...)"]
+    assert patched_behaviour(probe) == ["line 4: auto.attach = ..."]

@@ -188,7 +188,7 @@ def test_bad_settings_are_clear_errors(small):
 def test_a_datastore_of_earlier_outputs_is_drafted_from(small, tmp_path):
     """Retrieval over a corpus that holds what the rows will write: more accepted, output unchanged."""
     from medusa.decoding.suffix import Datastore
-    from medusa.runtime.datastore import load
+    from medusa.decoding.retrieval import load_datastore as load
 
     model, engine = small
     prompts = mixed_prompts(4, vocab=V, seed=50)

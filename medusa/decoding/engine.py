@@ -16,7 +16,7 @@ import torch
 from medusa.errors import MedusaError
 from medusa.decoding.proposers import Proposer, RowState
 from medusa.decoding.sampling import GREEDY, RowSampling, SamplingParams, argmax, sample_from
-from medusa.decoding.transformer import Transformer, cache_capacity
+from medusa.decoding.transformer import Transformer, cache_capacity, causal
 from medusa.decoding.tree import ROOT_ONLY
 from medusa.decoding.outputs import MAX_TOP_LOGPROBS, Finished, Generation, Stats, StepOutput, TokenLogprobs
 from medusa.decoding.verifier import Candidates, GreedyVerifier, SamplingVerifier, Verdict
@@ -146,8 +146,7 @@ class Engine:
         plen = torch.tensor([len(p) for p in prompts], device=dev)
         batch.cache.lens[rows] = 0
         positions = torch.arange(t, device=dev).expand(k, t)
-        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-        hidden = self.model(tokens, positions, batch.cache, rows, causal)
+        hidden = self.model(tokens, positions, batch.cache, rows, causal(t, dev))
         for state in list(batch.aux.values()):
             state.prefilled(rows, tokens, plen, hidden)
         last = hidden[torch.arange(k, device=dev), plen - 1]

@@ -38,6 +38,7 @@ from torch import nn
 
 from medusa.errors import MedusaError
 from medusa.io import ASSETS
+from medusa.decoding.transformer import causal
 
 KIND = "feature"
 STYLES = ("eagle1", "eagle3")
@@ -177,7 +178,7 @@ class FeatureHead(nn.Module):
         if attention_mask is None:
             t = x.shape[1]
             attention_mask = torch.zeros(t, t, dtype=x.dtype, device=x.device).masked_fill(
-                ~torch.ones(t, t, dtype=torch.bool, device=x.device).tril(), float("-inf"))[None, None]
+                ~causal(t, x.device), float("-inf"))[None, None]
         a = layer.self_attn(hidden_states=a_in, position_embeddings=(cos, sin), attention_mask=attention_mask)[0]
         x = x + a
         return x + layer.mlp(layer.post_attention_layernorm(x))

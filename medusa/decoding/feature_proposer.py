@@ -16,9 +16,9 @@ from medusa.decoding.dynamic_tree import NEG, Growth, Pool, RowTrees, expand, po
 from medusa.decoding.feature_heads import FeatureHead
 from medusa.decoding.feature_runner import FeatureState, HeadRunner, LayerTaps
 from medusa.decoding.proposers import Proposer
-from medusa.decoding.ragged import aux_state, catch_up, causal, common_prefix, context
+from medusa.decoding.ragged import aux_state, catch_up, common_prefix, context
 from medusa.decoding.sampling import MODE_REJECTION, sample_from
-from medusa.decoding.transformer import Transformer
+from medusa.decoding.transformer import Transformer, causal
 from medusa.decoding.tree import build_tree, expected_tau
 from medusa.errors import MedusaError
 

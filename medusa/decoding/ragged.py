@@ -46,11 +46,6 @@ def catch_up(cache: KVCache, rows: slice, upto: torch.Tensor, last: torch.Tensor
         cache.lens[rows] = lens + count
 
 
-def causal(t: int, device: torch.device) -> torch.Tensor:
-    """[t, t] bool: each entry of a block sees itself and the entries before it."""
-    return torch.ones(t, t, dtype=torch.bool, device=device).tril()
-
-
 def context(batch: "Batch") -> torch.Tensor:
     """[n, W] each active row's committed tokens, then its pending root (at index cache length); W is the
     longest row's length + 1, shorter rows right-padded with whatever `batch.seq` holds there."""

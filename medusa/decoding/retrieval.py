@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Hashable
 
 import torch
@@ -125,6 +126,17 @@ class RetrievalState(RowState):
             del self.automata[gone]
             self.matchers.pop(gone, None)
         return out
+
+
+def load_datastore(directory: str | Path, vocab_size: int) -> Datastore:
+    """The datastore at `directory`, refused when its tokens cannot be the model's (ids past its vocabulary)."""
+    store = Datastore.load(directory)
+    text = store.text
+    top = int(text.max()) if text.shape[0] else -1
+    if top >= vocab_size:
+        raise MedusaError(f"--datastore {directory}: token id {top} is outside the model's vocabulary of "
+                          f"{vocab_size}: it was built for another tokenizer")
+    return store
 
 
 class Retriever:

@@ -21,6 +21,12 @@ from medusa.errors import MedusaError
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
 
+
+def causal(t: int, device: torch.device | str) -> torch.Tensor:
+    """[t, t] bool: each position of a block sees itself and the positions before it (the one causal mask:
+    prefills, catch-up blocks, calibration passes)."""
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril()
+
 class KVCache:
     """Keys and values of every layer in one tensor [layers, 2, rows, kv_heads, capacity, head_dim].
 

@@ -65,9 +65,8 @@ def torch_threads(threads: int | None) -> Iterator[None]:
 
 
 def _runtime(cfg: EvalConfig, needs_heads: bool) -> Runtime:
-    rt = Runtime.load(cfg.model, cfg.heads if needs_heads else "none", cfg.dtype, cfg.device)
-    rt.use_datastore(cfg.datastore)
-    return rt
+    return Runtime.load(cfg.model, cfg.heads if needs_heads else "none", cfg.dtype, cfg.device,
+                        datastore=cfg.datastore)
 
 
 def _report(rt: Runtime, cfg: EvalConfig, num_prompts: int, results: list[dict], cost: dict) -> dict:

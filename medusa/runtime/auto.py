@@ -28,6 +28,8 @@ from medusa.decoding.tree import Tree, build_tree, expected_tau
 
 if TYPE_CHECKING:
     from medusa.decoding.engine import Batch
+    from medusa.decoding.feature_heads import FeatureHead
+    from medusa.decoding.heads import MedusaHeads
 
 # Predicted speedups below this are not worth the risk of being wrong: the curve and the accuracies are
 # estimates, and a near-tie gains nothing a user would notice.
@@ -53,10 +55,10 @@ class Plan:
                 "reason": self.reason}
 
 
-def read_accuracy(heads) -> list[list[float]] | None:
+def read_accuracy(heads: "MedusaHeads | FeatureHead") -> list[list[float]] | None:
     """Heads' (Medusa or feature) held-out rank accuracies, from the eval.json next to them; None when they
     were not measured."""
-    directory = getattr(heads, "directory", None)
+    directory = heads.directory
     path = Path(directory) / "eval.json" if directory is not None else None
     if path is None or not path.is_file():
         return None

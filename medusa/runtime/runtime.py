@@ -49,7 +49,9 @@ class Runtime:
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, heads: str | None = "default", dtype: str = "auto",
-             device: str | None = None) -> "Runtime":
+             device: str | None = None, retrieval: bool = True, datastore: str | None = None) -> "Runtime":
+        """The model, its heads (`--heads`), dtype and device; `retrieval`: auto mode also drafts from the
+        text itself; `datastore`: a corpus retrieval drafts from too (`medusa datastore build`)."""
         device = torch.device(device or default_device())
         choice = resolve_dtype(dtype, device, announce=True)
         hf_model, tokenizer = load_target(model, choice.torch, device)
@@ -60,8 +62,10 @@ class Runtime:
         # `default` with preferred feature heads keeps the shipped Medusa heads beside them: a static tree
         # (`--tree tree-8`) still names those, and benchmarks time both kinds.
         medusa = load_heads(heads, hf_model) if feature is None or heads == "default" else None
-        return cls(hf_model, tokenizer, transformer, Engine(transformer, eos_ids(hf_model, tokenizer)),
-                   medusa, choice, feature)
+        rt = cls(hf_model, tokenizer, transformer, Engine(transformer, eos_ids(hf_model, tokenizer)),
+                 medusa, choice, feature, retrieval)
+        rt.use_datastore(datastore)
+        return rt
 
     @property
     def machine(self) -> Machine:
@@ -101,9 +105,9 @@ class Runtime:
 
     def use_datastore(self, directory: str | None) -> None:
         """Draft from the datastore at `directory` too (None: the row's own text only)."""
-        from medusa.runtime.datastore import load
+        from medusa.decoding.retrieval import load_datastore
 
-        self.datastore = None if directory is None else load(directory, self.model.config.vocab_size)
+        self.datastore = None if directory is None else load_datastore(directory, self.model.config.vocab_size)
 
     def retriever(self) -> "Retriever":
         """Retrieval as configured: the row's own text, and the datastore when one is loaded."""

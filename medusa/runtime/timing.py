@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from medusa.decoding.transformer import causal
 from medusa.errors import MedusaError
 
 @dataclass
@@ -127,7 +128,7 @@ def _sweep(passes: dict, best: dict[int, float], todo: list[int], repeats: int, 
 def _forward_pass(model, head, cache, b: int, t: int, prefix: int):
     ids = torch.randint(0, model.config.vocab_size, (b, t), device=model.device)
     pos = prefix + torch.arange(t, device=model.device).expand(b, t)
-    mask = torch.ones(t, t, dtype=torch.bool, device=model.device).tril()
+    mask = causal(t, model.device)
 
     def once():
         cache.lens[:] = prefix

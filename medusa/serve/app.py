@@ -43,12 +43,17 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (503, "no batch row within queue_timeout_s (see Retry-After)"))}
 
 
+class App(FastAPI):
+    """The server's FastAPI app: its OpenAPI schema also documents the request bodies routes read themselves."""
+
+    def openapi(self) -> dict[str, Any]:
+        return openapi_schema(self)
+
+
 def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -> FastAPI:
     """The FastAPI app; builds the runtime from `cfg` unless one is given (tests pass tiny models)."""
     if rt is None:
-        rt = Runtime.load(cfg.model, cfg.heads, cfg.dtype, cfg.device)
-        rt.retrieval = cfg.retrieval
-        rt.use_datastore(cfg.datastore)
+        rt = Runtime.load(cfg.model, cfg.heads, cfg.dtype, cfg.device, cfg.retrieval, cfg.datastore)
     if draft is None and cfg.draft:
         draft = load_draft(cfg, rt)
     server = Server(cfg, rt, draft)
@@ -60,11 +65,10 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
         server.scheduler.stop()
 
     docs = cfg.docs
-    app = FastAPI(title="medusa", lifespan=lifespan, openapi_url="/openapi.json" if docs else None,
-                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
+    app = App(title="medusa", lifespan=lifespan, openapi_url="/openapi.json" if docs else None,
+              docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
     app.state.server = server
     app.add_middleware(Guard, metrics=server.metrics, api_key=server.api_key)
-    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     add_error_handlers(app)
     add_routes(app, server)
     return app

@@ -96,19 +96,6 @@ def build(source: str, out: str | Path, model: str = "default", limit: int | Non
     return info
 
 
-def load(directory: str | Path, vocab_size: int):
-    """The datastore at `directory`, refused when its tokens cannot be the model's (ids past its vocabulary)."""
-    from medusa.decoding.suffix import Datastore
-
-    store = Datastore.load(directory)
-    text = store.text
-    top = int(text.max()) if text.shape[0] else -1
-    if top >= vocab_size:
-        raise MedusaError(f"--datastore {directory}: token id {top} is outside the model's vocabulary of "
-                          f"{vocab_size}: it was built for another tokenizer")
-    return store
-
-
 def run(args: argparse.Namespace) -> int:
     info = build(args.source, args.out, args.model, args.limit)
     print(f"datastore {args.out}: {info['sequences']} sequences, {info['tokens']} tokens, {info['states']} states, "
