@@ -309,3 +309,25 @@ def test_shape_reports_unlikely_tokens_at_a_json_floor(rt):
     chunk = shape.chunk(0, Event("delta", "x", 1, token_ids=[5], logprobs=[(5, float("-inf"), [(7, -0.1)])]))
     json.dumps(chunk, allow_nan=False)
     assert chunk["choices"][0]["logprobs"]["token_logprobs"] == [-9999.0]
+
+
+def test_the_end_of_sequence_token_is_listed_and_counted(tokenizer):
+    """An answer that ends at the end-of-sequence token lists that token in its logprobs and counts it in
+    `usage`, as the serving docs say (here the model's own fourth greedy token is made its end token)."""
+    import dataclasses
+
+    from medusa.decoding.engine import Engine
+    from test_serve import tiny_runtime
+
+    base = tiny_runtime(tokenizer, seed=6, heads=False)
+    prompt = "Once upon a time"
+    free = base.engine.generate([tokenizer(prompt)["input_ids"]], 8).outputs[0].tokens
+    end = free.index(free[3]) + 1  # the answer up to the first occurrence of its end token
+    rt = dataclasses.replace(base, engine=Engine(base.model, eos_token_ids=[free[3]]))
+    with serve(rt, policy={"mode": "plain"}) as url:
+        r = client(url).completions.create(model="default", prompt=prompt, max_tokens=8, logprobs=1,
+                                           extra_body={"return_tokens_as_token_ids": True})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens] == free[:end]
+    assert r.usage.completion_tokens == end and len(choice.logprobs.token_logprobs) == end
