@@ -217,6 +217,8 @@ def test_dynamic_policy_switches_by_load(rt, tokenizer):
     def recording_decide(running: int, queued: int):
         if not decisions:
             assert everyone_queued.wait(CLIENT_TIMEOUT), "not every request reached the queue"
+            with sched.cond:  # what is queued now: the scheduler counted before the last ones arrived
+                queued = len(sched.queue)
         decision = decide(running, queued)
         decisions.append((running + queued, decision))
         return decision

@@ -64,6 +64,7 @@ def _texts(path: Path, model: str, limit: int | None) -> tuple[list[list[int]], 
 
 
 def build(source: str, out: str | Path, model: str = "default", limit: int | None = None) -> dict:
+    from medusa.decoding.hardware import provenance
     from medusa.decoding.suffix import Datastore
     from medusa.io import atomic_dir
 
@@ -85,7 +86,7 @@ def build(source: str, out: str | Path, model: str = "default", limit: int | Non
     store = Datastore.build(seqs)
     info = {"source": source, "model": model, "vocab_size": vocab, "sequences": len(seqs),
             "tokens": sum(len(s) for s in seqs), "states": store.num_states,
-            "build_seconds": round(time.perf_counter() - start, 1)}
+            "build_seconds": round(time.perf_counter() - start, 1), **provenance(None)}
 
     def fill(tmp: Path) -> None:
         store.save(tmp)
