@@ -219,3 +219,20 @@ def test_datastore_cli_builds_from_a_text_file(tmp_path, capsys):
     assert store.match(store.text[:6].tolist()).length == 6  # its own text is found
     assert main(["datastore", "build", "--from", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "x")]) == 2
     assert "--from: " in capsys.readouterr().err
+
+
+def test_auto_mode_without_heads_drafts_from_the_text(small):
+    """No heads: auto mode is retrieval alone, judged by measurement (no prediction), and lossless;
+    `retrieval=False` leaves plain decoding."""
+    from medusa.runtime import Runtime
+    from medusa.runtime.auto import AutoSpeculation
+
+    model, engine = small
+    rt = Runtime(model, None, engine.model, engine, None)
+    auto = rt.auto(4, progress=False)
+    assert isinstance(auto, AutoSpeculation) and not auto.predicted
+    assert auto.plan(1).tree is None or auto.plan(1).tree.name.startswith("suffix-")
+    prompts = mixed_prompts(4, vocab=V, seed=60)
+    assert ([o.tokens for o in engine.generate(prompts, 24, policy=auto).outputs]
+            == [o.tokens for o in engine.generate(prompts, 24).outputs])
+    assert Runtime(model, None, engine.model, engine, None, retrieval=False).auto(4, progress=False) is None
