@@ -23,6 +23,7 @@ from medusa.decoding.feature_heads import SHIPPED_FEATURE_DIR, FeatureHead, read
 from medusa.decoding.feature_proposer import (FeatureProposer, TreeShape, expected_tau_dynamic, parse_shape,
                                               shape_candidates)
 from medusa.decoding.feature_runner import HeadRunner, draft_pass_ms
+from medusa.decoding.transformer import Transformer
 from medusa.decoding.retrieval import MergedProposer
 from medusa.errors import MedusaError
 from medusa.runtime.auto import MARGIN, Plan, read_accuracy
@@ -79,9 +80,18 @@ def feature_proposer(rt: "Runtime", tree: str | None = None, batch_size: int = 1
 
 
 @functools.lru_cache(maxsize=None)
-def _draft_pass_ms(runner: HeadRunner, rows: int, tokens: int) -> float:
-    """One head pass's measured cost, once per process: every planner of the same head then plans alike."""
-    return draft_pass_ms(runner, rows, tokens)
+def _draft_ratio(runner: HeadRunner, target: Transformer, rows: int, tokens: int) -> float:
+    """One head pass over `tokens` entries per row as a multiple of a one-token target pass at `rows` rows,
+    the two timed by turns, once per process (every planner of the same head then plans alike). Other work
+    on the machine slows both alike, so the ratio holds where a head pass timed under load against the
+    quiet calibrated curve would make drafting look many times dearer than it is."""
+    from medusa.runtime.timing import target_pass_ms
+
+    head, one = [], []
+    for _ in range(3):
+        head.append(draft_pass_ms(runner, rows, tokens, repeats=1))
+        one.append(target_pass_ms(target, rows))
+    return min(head) / min(one)
 
 
 class _FeatureAuto:
@@ -96,7 +106,7 @@ class _FeatureAuto:
         self.cal = load_or_measure(rt, [1 << i for i in range(bucket(batch_size).bit_length())], progress=progress)
         self.accuracy = read_accuracy(rt.feature)
         self.shapes: dict[str, TreeShape] = {}
-        self._pass_ms = functools.partial(_draft_pass_ms, self.runner)
+        self._draft_ratio = functools.partial(_draft_ratio, self.runner, rt.model)
 
     @functools.lru_cache(maxsize=None)  # noqa: B019 (one planner per runtime; plans are pure per batch size)
     def plan(self, rows: int):
@@ -106,7 +116,7 @@ class _FeatureAuto:
             self.shapes[tree.name] = shape
             return Plan(rows, tree, 0.0, 0.0, "feature head without eval.json: default dynamic tree, checked "
                                               "by measurement")
-        plan, shape = plan_shape(self.cal, self.accuracy, rows, self._pass_ms)
+        plan, shape = plan_shape(self.cal, self.accuracy, rows, self._draft_ratio)
         if shape is not None:
             self.shapes[plan.tree.name] = shape
         return plan
@@ -137,17 +147,17 @@ def feature_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "Auto
     return AutoSpeculation(planner.plan, planner.make, 65, attach=planner.attach)
 
 
-def plan_shape(cal, accuracy: list[list[float]], batch: int, draft_ms, shapes: list[TreeShape] | None = None):
+def plan_shape(cal, accuracy: list[list[float]], batch: int, draft_ratio, shapes: list[TreeShape] | None = None):
     """The dynamic tree with the best predicted speedup at `batch` rows, or None (plain decoding):
-    speedup = tau(shape) / (ratio(B, N + 1) + (catch-up + (D - 1) expansions) / one-token pass ms).
+    speedup = tau(shape) / (ratio(B, N + 1) + catch-up + (D - 1) expansions), in one-token passes.
 
-    `draft_ms(rows, tokens)` is one head pass's cost; `cal` the calibrated target pass-cost curve."""
-    one = cal.ms(batch, 1)
+    `draft_ratio(rows, tokens)` is one head pass's cost in one-token target passes; `cal` the calibrated
+    target pass-cost curve."""
     best = None
     for shape in shapes or shape_candidates():
         tau = expected_tau_dynamic(shape, accuracy)
-        drafting = draft_ms(batch, 2) + (shape.depth - 1) * draft_ms(batch, shape.topk)
-        cost = cal.ratio(batch, shape.nodes + 1) + drafting / one
+        drafting = draft_ratio(batch, 2) + (shape.depth - 1) * draft_ratio(batch, shape.topk)
+        cost = cal.ratio(batch, shape.nodes + 1) + drafting
         speedup = tau / cost
         if best is None or speedup > best[0]:
             best = (speedup, shape, tau, cost)

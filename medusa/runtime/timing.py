@@ -138,6 +138,14 @@ def _forward_pass(model, head, cache, b: int, t: int, prefix: int):
 
 
 @torch.inference_mode()
+def target_pass_ms(model, rows: int, tokens: int = 1, prefix: int = 256, repeats: int = 1) -> float:
+    """Fastest ms of one target pass (with its lm_head) over `tokens` per row for `rows` rows after a
+    `prefix`-token cache, timed now: what a live measurement of something else is compared against."""
+    cache = model.new_cache(rows, prefix + tokens)
+    return _fastest_ms(_forward_pass(model, model.lm_head, cache, rows, tokens, prefix), repeats, model.device)
+
+
+@torch.inference_mode()
 def measure_heads(heads, hidden_size: int, batch_sizes: list[int], topk: int, dtype, device,
                   repeats: int = 5, projection=None) -> dict[int, float]:
     """Fastest ms of what a Medusa proposer runs per step (all heads, their top-k over the candidate
