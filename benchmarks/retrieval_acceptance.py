@@ -18,7 +18,6 @@ shards (`--limit 8192`), and measure on the last ones.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 
 from medusa.decoding.retrieval import MATCH_BUCKETS, match_bucket
@@ -68,6 +67,8 @@ def measure(pairs, k: int, depth: int, store=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from medusa.decoding.hardware import provenance
+    from medusa.io import write_json_atomic
     from medusa.train.distill import load_shards
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -87,15 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         store = Datastore.load(args.datastore)
     out = measure(pairs, args.k, args.depth, store)
     out.update(source=args.distilled, shards=[name for name, _ in shards], answers=len(pairs),
-               datastore=args.datastore)
+               datastore=args.datastore, **provenance(None))
     print(f"{'match':>6} {'first(top)':>11} {'n':>7} {'first(other)':>13} {'n':>7} {'next':>6} {'n':>7}")
     for row in out["buckets"]:
         print(f"{row['match_len_from']:>5}+ {row['first_top']!s:>11} {row['n_top']:>7} {row['first_other']!s:>13} "
               f"{row['n_other']:>7} {row['next']!s:>6} {row['n_next']:>7}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-            f.write("\n")
+        write_json_atomic(args.json, out)
     return 0
 
 

@@ -12,7 +12,6 @@ runs beside other work; speed is `medusa bench`'s job.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
@@ -20,6 +19,7 @@ import torch
 
 def main(argv: list[str] | None = None) -> int:
     from medusa.decoding.hardware import provenance
+    from medusa.io import write_json_atomic
     from medusa.prompts import load_prompts
     from medusa.runtime import Runtime
     from medusa.runtime.proposers import build_proposer
@@ -53,9 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"rows": rows, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
            **provenance(args.dtype, threads=args.threads)}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-            f.write("\n")
+        write_json_atomic(args.json, out)
     return 0
 
 

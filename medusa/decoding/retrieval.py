@@ -117,20 +117,24 @@ class RetrievalState(RowState):
         self.automata: dict[Hashable, SuffixAutomaton] = {}
         self.matchers: dict[Hashable, Matcher] = {}
 
-    def sync(self, ids: list[Hashable], texts: list[list[int]]) -> list[tuple[SuffixAutomaton, Matcher | None]]:
-        """Each row's automaton (and matcher) fed up to its text (committed tokens, then the pending root)."""
+    def sync(self, ids: list[Hashable], ctx: torch.Tensor,
+             ends: list[int]) -> list[tuple[SuffixAutomaton, Matcher | None]]:
+        """Each row's automaton (and matcher) fed up to its text ctx[r, :ends[r]] (host tensor: committed
+        tokens, then the pending root); only the tokens it has not seen are read."""
         out = []
-        for i, text in zip(ids, texts):
+        for r, (i, end) in enumerate(zip(ids, ends)):
             sam = self.automata.get(i)
-            if sam is None or len(sam.text) > len(text) or (sam.text and sam.text[-1] != text[len(sam.text) - 1]):
-                sam = self.automata[i] = SuffixAutomaton()
+            fed = len(sam.text) if sam is not None else 0
+            if sam is None or fed > end or (fed and sam.text[-1] != int(ctx[r, fed - 1])):
+                sam, fed = SuffixAutomaton(), 0
+                self.automata[i] = sam
                 if self.store is not None:
                     self.matchers[i] = self.store.matcher()
-            fed = len(sam.text)
-            sam.extend_many(text[fed:])
+            new = ctx[r, fed:end].tolist()
+            sam.extend_many(new)
             matcher = self.matchers.get(i)
             if matcher is not None:
-                matcher.feed(text[fed:])
+                matcher.feed(new)
             out.append((sam, matcher))
         for gone in set(self.automata) - set(ids):
             del self.automata[gone]
@@ -166,13 +170,10 @@ class Retriever:
         n = batch.n
         state = aux_state(batch, AUX_KEY, lambda s: isinstance(s, RetrievalState) and s.store is self.store,
                           lambda: RetrievalState(self.store))
-        lens = batch.cache.lens[:n]
-        ctx = context(batch).cpu()
-        ends = (lens + 1).tolist()
-        rows = state.sync(batch.ids[:n], [ctx[r, :e].tolist() for r, e in enumerate(ends)])
+        rows = state.sync(batch.ids[:n], context(batch).cpu(), (batch.cache.lens[:n] + 1).tolist())
         width = self.branches + (self.store_branches if self.store is not None else 0)
-        tokens = torch.zeros(n, width, self.depth, dtype=torch.long)
-        scores = torch.full((n, width, self.depth), NEG)
+        tokens = [[[0] * self.depth for _ in range(width)] for _ in range(n)]
+        scores = [[[NEG] * self.depth for _ in range(width)] for _ in range(n)]
         for r, (sam, matcher) in enumerate(rows):
             found = [(c, ACCEPT) for c in sam.continuations(self.branches, self.depth, self.min_match)]
             if matcher is not None:
@@ -183,10 +184,10 @@ class Retriever:
                 top = (id(table), cont.match_len) not in levels
                 levels.add((id(table), cont.match_len))
                 m = len(cont.tokens)
-                tokens[r, c, :m] = torch.tensor(cont.tokens)
-                scores[r, c, :m] = torch.tensor(token_scores(cont.match_len, top, m, table))
+                tokens[r][c][:m] = cont.tokens
+                scores[r][c][:m] = token_scores(cont.match_len, top, m, table)
         dev = batch.root.device
-        return Chains(tokens.to(dev), scores.to(dev))
+        return Chains(torch.tensor(tokens, device=dev), torch.tensor(scores, device=dev))
 
 
 def graft(pool: Pool, chains: Chains) -> None:

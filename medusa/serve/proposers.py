@@ -36,7 +36,7 @@ def calibrated_policy(cfg: ServeConfig, rt: Runtime, draft: Any) -> tuple[CostMo
     return CostModel.from_plans(plans), {p.tree.name: p.tree for p in plans if p.tree is not None}
 
 
-def has_heads(rt: Runtime) -> bool:
+def drafts_alone(rt: Runtime) -> bool:
     """Whether the runtime drafts without a draft model (the policy's "medusa" mode): heads of its own
     (Medusa or feature heads), or, without heads, retrieval alone (`suffix-N` trees)."""
     return rt.heads is not None or rt.feature is not None or rt.retrieval
@@ -59,7 +59,7 @@ def default_trees(rt: Runtime) -> dict[int, str]:
 def heads_proposers(rt: Runtime, policy: SpeculationPolicy, planned: dict[str, Tree]) -> dict[str, Any]:
     """A proposer of the runtime's heads per tree the policy names, built up front: a bad tree name or a
     heads/tree mismatch fails at startup, naming the config key."""
-    if not has_heads(rt):
+    if not drafts_alone(rt):
         return {}
     return {name: heads_proposer(rt, name, planned.get(name)) for name in sorted(set(policy.trees.values()))}
 

@@ -14,7 +14,7 @@ from medusa.serve.config import ServeConfig
 from medusa.serve.errors import ApiError
 from medusa.serve.metrics import Metrics
 from medusa.serve.policy import Decision, SpeculationPolicy
-from medusa.serve.proposers import calibrated_policy, default_trees, has_heads, heads_proposers
+from medusa.serve.proposers import calibrated_policy, default_trees, drafts_alone, heads_proposers
 from medusa.serve.protocol import ChatCompletionRequest, CompletionRequest
 from medusa.serve.request import Event, Overloaded, Request
 from medusa.serve.scheduler import Scheduler
@@ -37,7 +37,7 @@ class Server:
         self.api_key = cfg.api_key or os.environ.get("MEDUSA_API_KEY") or None
         self.metrics = Metrics()
         calibrated, planned = calibrated_policy(cfg, rt, draft)
-        self.policy = SpeculationPolicy(cfg.policy, has_medusa=has_heads(rt), has_draft=draft is not None,
+        self.policy = SpeculationPolicy(cfg.policy, has_medusa=drafts_alone(rt), has_draft=draft is not None,
                                         calibrated=calibrated, default_trees=default_trees(rt))
         self.medusa = heads_proposers(rt, self.policy, planned)
         self.draft = draft
