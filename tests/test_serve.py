@@ -584,24 +584,46 @@ def test_draft_speculation_matches_decoding_alone(rt, tokenizer):
 
 
 def test_prefill_budget_spreads_admission_over_steps(rt):
-    """Waiting prompts are prefilled a budget's worth per step boundary, FIFO; one long prompt still goes."""
+    """Waiting prompts are prefilled a budget's worth per step boundary, in arrival order: short ones whole,
+    a long one in chunks between the running rows' steps, which never wait for it."""
+    from medusa.serve.request import Request
+
     server = create_app(ServeConfig(dtype="fp32", max_batch=8, max_context=256, prefill_tokens_per_step=64,
                                     policy={"mode": "plain"}), rt).state.server
     sched = server.scheduler
-    sched.batch = rt.engine.new_batch(8, sched.capacity, 256)
-    from medusa.serve.request import Request
-
-    lengths = [20, 20, 20, 5, 100, 10]
+    sched.batch = sched.new_batch()
+    lengths = [20, 20, 20, 5, 150, 10]
+    events = {n: [] for n in lengths}
     for n in lengths:
-        sched.submit(Request(list(range(1, n + 1)), 4, lambda ev: None))
+        sched.submit(Request(list(range(1, n + 1)), 40, events[n].append))
     rounds = []
-    while sched.queue:
-        taken = sched._take_admissible()
-        rounds.append([len(r.prompt) for r in taken])
-        sched._prefill(taken)
-    # Padded cost = rows x longest prompt <= 64, except a single over-long prompt.
-    assert rounds == [[20, 20, 20], [5], [100], [10]]
+    while sched.queue or sched.prefilling:
+        with sched.cond:  # a boundary's budget: 64 tokens less the decode pass's (1 per running row)
+            whole, chunked = sched._take_admissible(sched.budget.tokens(sched.batch.n, sched.width))
+        sched.queue.extendleft(reversed(whole + ([chunked] if chunked else [])))
+        got_token = len(events[20])
+        sched.boundary()
+        rounds.append([len(r.prompt) for r in whole] or [sched.batch.pending.done if sched.batch.pending else 150])
+        assert len(events[20]) > got_token  # the running rows got tokens at every boundary
+    # Padded cost = rows x longest prompt <= the budget; the 150-token prompt goes in chunks of 64 - rows.
+    assert rounds == [[20, 20, 20], [5], [60], [120], [150], [10]]
     assert sched.batch.n == len(lengths)
+
+
+def test_auto_prefill_budget_follows_the_measured_passes():
+    from medusa.serve.prefill import MAX_CHUNK, MIN_CHUNK, PrefillBudget
+
+    budget = PrefillBudget("auto", stall=1.0)
+    assert budget.tokens(0, 8) == MAX_CHUNK  # nothing decodes: nothing to stall
+    assert budget.tokens(2, 8) == 16  # nothing measured: as many tokens as the decode pass
+    budget.observe_decode(0.020)
+    budget.observe_prefill(64, 0.064)  # 1 ms per prompt token
+    assert budget.tokens(2, 8) == 20  # a prefill pass as long as a decode pass
+    assert PrefillBudget("auto", stall=2.0, curve=lambda b, t: 10.0 * b + t).tokens(3, 4) == 2 * 34 * 64 // 74
+    budget.observe_decode(0.0001)
+    assert budget.tokens(2, 8) == MIN_CHUNK
+    fixed = PrefillBudget(100)
+    assert (fixed.tokens(0, 8), fixed.tokens(4, 8), fixed.tokens(40, 8)) == (100, 68, MIN_CHUNK)
 
 
 def _raw(url: str) -> socket.socket:

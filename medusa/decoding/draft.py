@@ -37,7 +37,7 @@ from medusa.decoding.transformer import KVCache, Transformer, causal, packed_lin
 from medusa.decoding.tree import chain
 
 if TYPE_CHECKING:
-    from medusa.decoding.engine import Batch
+    from medusa.decoding.batch import Batch
 
 AUX_KEY = "draft"
 

@@ -29,7 +29,7 @@ from medusa.decoding.tree import Tree
 from medusa.decoding.verifier import Candidates
 
 if TYPE_CHECKING:
-    from medusa.decoding.engine import Batch
+    from medusa.decoding.batch import Batch
 
 NEG = float("-inf")
 

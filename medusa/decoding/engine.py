@@ -1,7 +1,9 @@
 """The decoding loop shared by the CLI, the evaluator and the server.
 
-A `Batch` holds up to `rows` sequences in one KV cache. Each `Engine.step` runs one target pass over
-every active row: the pending root token plus the proposer's candidate tree (just the root for plain
+A `Batch` (`medusa.decoding.batch`) holds up to `rows` sequences in one KV cache. `Engine.add` prefills new
+rows and decides their first token; `Engine.begin` / `Engine.advance` do the same for a long prompt a chunk at
+a time, between steps, so the running rows are not stalled behind it. Each `Engine.step` runs one target pass
+over every active row: the pending root token plus the proposer's candidate tree (just the root for plain
 decoding), verifies, commits the accepted entries of each row, and retires rows that are done. Rows have
 their own lengths and accept different numbers of tokens; nothing in the step loops over rows in Python.
 """
@@ -14,11 +16,12 @@ from typing import Any, Callable, Hashable
 import torch
 
 from medusa.errors import MedusaError
-from medusa.decoding.proposers import Proposer, RowState
-from medusa.decoding.sampling import GREEDY, RowSampling, SamplingParams, argmax, sample_from
+from medusa.decoding.batch import Batch, Prefill
+from medusa.decoding.proposers import Proposer
+from medusa.decoding.sampling import GREEDY, SamplingParams, argmax, sample_from
 from medusa.decoding.transformer import Transformer, cache_capacity, causal
 from medusa.decoding.tree import ROOT_ONLY
-from medusa.decoding.outputs import MAX_TOP_LOGPROBS, Finished, Generation, Stats, StepOutput, TokenLogprobs
+from medusa.decoding.outputs import MAX_TOP_LOGPROBS, Finished, Generation, StepOutput, TokenLogprobs
 from medusa.decoding.verifier import Candidates, GreedyVerifier, SamplingVerifier, Verdict
 
 
@@ -36,70 +39,6 @@ class StepPolicy:
 
     def observe(self, rows: int, speculative: bool, tau: float, seconds: float) -> None:
         """How a step with `rows` rows went: speculative or plain, its tokens per row, its duration."""
-
-
-class Batch:
-    """Decoding state of up to `rows` sequences: cache, pending root token and its hidden state, outputs."""
-
-    def __init__(self, model: Transformer, rows: int, capacity: int, max_new_tokens: int):
-        dev = model.device
-        self.cache = model.new_cache(rows, capacity)
-        self.n = 0
-        self.ids: list[Hashable] = []
-        self.root = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=model.dtype, device=dev)
-        self.out = torch.zeros(rows, max_new_tokens + 1, dtype=torch.long, device=dev)
-        self.out_len = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.max_new = torch.zeros(rows, dtype=torch.long, device=dev)
-        # Every row's committed tokens (prompt, then output; the pending root is not included): what
-        # context-based proposers read (prompt lookup) and what a draft model catches up on.
-        self.seq = torch.zeros(rows, capacity, dtype=torch.long, device=dev)
-        # Per-row state that proposers keep beside the batch (a draft model's KV cache, a feature head's
-        # features, retrieval's automata), by proposer kind.
-        self.aux: dict[str, RowState] = {}
-        self.sampling = RowSampling(rows, dev)
-        self.stats = Stats()
-        # Request id -> top-k of the rows that asked for log-probabilities. Empty in the common case, so
-        # a step pays one dict check for the feature.
-        self.logprobs: dict[Hashable, int] = {}
-
-    @property
-    def seq_len(self) -> torch.Tensor:
-        """[n] committed length of each active row (= its KV cache length)."""
-        return self.cache.lens[: self.n]
-
-    @property
-    def free(self) -> int:
-        return self.cache.rows - self.n
-
-    def remove(self, ids: list[Hashable]) -> list[Finished]:
-        """Drop rows (finished, cancelled) and close the gap by moving the last rows into their slots."""
-        slots = sorted(self.ids.index(i) for i in ids)
-        gone = set(slots)
-        done = [Finished(self.ids[s], self.out[s, : int(self.out_len[s])].tolist(), "") for s in slots]
-        keep_n = self.n - len(slots)
-        holes = [s for s in slots if s < keep_n]
-        movers = [s for s in range(keep_n, self.n) if s not in gone]
-        if holes:
-            self.cache.move_rows(movers, holes)
-            for state in (self.sampling, *self.aux.values()):
-                state.move_rows(movers, holes)
-            src, dst = torch.tensor(movers, device=self.root.device), torch.tensor(holes, device=self.root.device)
-            for t in (self.root, self.hidden, self.out, self.out_len, self.max_new, self.seq):
-                t[dst] = t[src]
-            for s, d in zip(movers, holes):
-                self.ids[d] = self.ids[s]
-        del self.ids[keep_n:]
-        self.n = keep_n
-        for f in done:
-            self.logprobs.pop(f.id, None)
-        return done
-
-    def logprobs_k(self) -> int | None:
-        """The largest top-k asked for by an active row, or None when no row asked for log-probabilities."""
-        if not self.logprobs:
-            return None
-        return max(self.logprobs.values())
 
 
 class Engine:
@@ -127,16 +66,7 @@ class Engine:
         if len(prompts) > batch.free:
             raise MedusaError(f"batch has room for {batch.free} more rows, {len(prompts)} requested")
         limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        for i, (p, m) in enumerate(zip(prompts, limits)):
-            if not p:
-                raise MedusaError(f"prompt {i} is empty")
-            if m <= 0:
-                raise MedusaError(f"max_new_tokens must be positive, got {m}")
-            if m > batch.out.shape[1] - 1:
-                raise MedusaError(f"max_new_tokens {m} exceeds this batch's limit {batch.out.shape[1] - 1}")
-        for k in logprobs or []:
-            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
-                raise MedusaError(f"top logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {k}")
+        self._check(batch, prompts, limits, logprobs or [])
         dev = self.model.device
         k, t = len(prompts), max(len(p) for p in prompts)
         rows = slice(batch.n, batch.n + k)
@@ -144,19 +74,93 @@ class Engine:
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         plen = torch.tensor([len(p) for p in prompts], device=dev)
-        batch.cache.lens[rows] = 0
-        positions = torch.arange(t, device=dev).expand(k, t)
-        hidden = self.model(tokens, positions, batch.cache, rows, causal(t, dev))
+        hidden = self._prefill(batch, rows, tokens, plen, 0)
+        return self._join(batch, ids, hidden[torch.arange(k, device=dev), plen - 1], limits,
+                          sampling or [GREEDY] * k, logprobs or [None] * k)
+
+    def begin(self, batch: Batch, id: Hashable, prompt: list[int], max_new_tokens: int,
+              sampling: SamplingParams = GREEDY, logprobs: int | None = None) -> Prefill:
+        """Start prefilling one prompt in chunks (`advance`), in the batch's top slot: the batch's steps go
+        on meanwhile. One such prompt per batch at a time."""
+        if batch.pending is not None:
+            raise MedusaError(f"batch is already prefilling request {batch.pending.id!r} in chunks")
+        if batch.free < 1:
+            raise MedusaError("batch has no free row")
+        self._check(batch, [prompt], [max_new_tokens], [logprobs])
+        slot = batch.cache.rows - 1
+        batch.cache.lens[slot] = 0
+        batch.pending = Prefill(id, list(prompt), max_new_tokens, sampling, logprobs, slot)
+        return batch.pending
+
+    @torch.inference_mode()
+    def advance(self, batch: Batch, tokens: int) -> StepOutput | None:
+        """Prefill the next at most `tokens` prompt tokens of the batch's pending prompt. Its last chunk
+        moves it into slot n, where it joins the active rows: the output of that call is `add`'s (its first
+        token); None before."""
+        pf = batch.pending
+        if pf is None:
+            raise MedusaError("no prompt is being prefilled in chunks")
+        if tokens <= 0:
+            raise MedusaError(f"a prefill chunk needs at least one token, got {tokens}")
+        dev = self.model.device
+        c = min(tokens, pf.left)
+        chunk = torch.tensor([pf.prompt[pf.done: pf.done + c]], dtype=torch.long, device=dev)
+        slot = pf.slot
+        if c == pf.left:  # the last chunk: the row joins the active view first, in slot n
+            if slot != batch.n:
+                batch.move_rows([slot], [batch.n])
+            slot, batch.pending = batch.n, None
+        hidden = self._prefill(batch, slice(slot, slot + 1), chunk, torch.tensor([c], device=dev), pf.done)
+        pf.done += c
+        if batch.pending is not None:
+            return None
+        return self._join(batch, [pf.id], hidden[:, c - 1], [pf.max_new], [pf.sampling], [pf.logprobs])
+
+    def abandon(self, batch: Batch) -> Prefill | None:
+        """Give up the prompt being prefilled in chunks (its request was cancelled): its slot is free again."""
+        pf, batch.pending = batch.pending, None
+        return pf
+
+    @staticmethod
+    def _check(batch: Batch, prompts: list[list[int]], limits: list[int], logprobs: list[int | None]) -> None:
+        for i, (p, m) in enumerate(zip(prompts, limits)):
+            if not p:
+                raise MedusaError(f"prompt {i} is empty")
+            if m <= 0:
+                raise MedusaError(f"max_new_tokens must be positive, got {m}")
+            if m > batch.out.shape[1] - 1:
+                raise MedusaError(f"max_new_tokens {m} exceeds this batch's limit {batch.out.shape[1] - 1}")
+        for k in logprobs:
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise MedusaError(f"top logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {k}")
+
+    def _prefill(self, batch: Batch, rows: slice, tokens: torch.Tensor, lengths: torch.Tensor,
+                 start: int) -> torch.Tensor:
+        """One causal pass of prompt tokens [k, T] (right-padded; `lengths` [k]) at positions start.. of
+        `rows`, after the `start` tokens their cache holds; returns hidden [k, T, H]."""
+        k, t = tokens.shape
+        batch.cache.lens[rows] = start
+        positions = (start + torch.arange(t, device=tokens.device)).expand(k, t)
+        hidden = self.model(tokens, positions, batch.cache, rows, causal(t, tokens.device))
         for state in list(batch.aux.values()):
-            state.prefilled(rows, tokens, plen, hidden)
-        last = hidden[torch.arange(k, device=dev), plen - 1]
-        batch.cache.lens[rows] = plen
-        batch.seq[rows, :t] = tokens
+            state.prefilled(rows, tokens, lengths, hidden, start)
+        batch.cache.lens[rows] = start + lengths
+        batch.seq[rows, start: start + t] = tokens
+        batch.stats.forward_passes += 1
+        return hidden
+
+    def _join(self, batch: Batch, ids: list[Hashable], last: torch.Tensor, limits: list[int],
+              sampling: list[SamplingParams], logprobs: list[int | None]) -> StepOutput:
+        """Prefilled rows in slots [n, n + k) (`last` [k, H]: their prompts' last hidden states) become
+        active: each row's first token is decided and emitted."""
+        dev = self.model.device
+        k = len(ids)
+        rows = slice(batch.n, batch.n + k)
         batch.n += k
         batch.ids.extend(ids)
         batch.hidden[rows] = last
-        batch.sampling.set(rows, sampling or [GREEDY] * k)
-        for i, top in zip(ids, logprobs or []):
+        batch.sampling.set(rows, sampling)
+        for i, top in zip(ids, logprobs):
             if top is not None:
                 batch.logprobs[i] = top
         logits = self.model.lm_head(last)
@@ -167,7 +171,6 @@ class Engine:
             batch.root[rows] = argmax(logits)
         batch.out_len[rows] = 0
         batch.max_new[rows] = torch.tensor(limits, device=dev)
-        batch.stats.forward_passes += 1
         # A copy: rows that finish here are removed in _emit, which compacts batch.root in place; a view
         # would then show a finished row the first token of the row moved into its slot.
         new = batch.root[rows, None].clone()

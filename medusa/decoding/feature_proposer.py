@@ -23,7 +23,7 @@ from medusa.decoding.tree import build_tree, expected_tau
 from medusa.errors import MedusaError
 
 if TYPE_CHECKING:
-    from medusa.decoding.engine import Batch
+    from medusa.decoding.batch import Batch
 
 AUX_KEY = "feature"
 

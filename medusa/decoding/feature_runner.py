@@ -170,12 +170,14 @@ class FeatureState(RowState):
             self.feats[d] = self.feats[s]
             self.feat_len[d] = self.feat_len[s]
 
-    def prefilled(self, rows: slice, tokens: torch.Tensor, lengths: torch.Tensor, hidden: torch.Tensor) -> None:
-        """The engine's prefill of new rows: keep their prompt features (so no second pass is needed)."""
-        t = tokens.shape[1]
-        self.seq[rows, :t] = tokens
-        self.feats[rows, :t] = self.features(hidden).to(self.feats.dtype)
-        self.feat_len[rows] = lengths
+    def prefilled(self, rows: slice, tokens: torch.Tensor, lengths: torch.Tensor, hidden: torch.Tensor,
+                  start: int = 0) -> None:
+        """The engine's prefill of new rows (or a chunk of one): keep their prompt features (so no second
+        pass is needed)."""
+        end = start + tokens.shape[1]
+        self.seq[rows, start:end] = tokens
+        self.feats[rows, start:end] = self.features(hidden).to(self.feats.dtype)
+        self.feat_len[rows] = start + lengths
         self.cache.lens[rows] = 0
 
     def committed(self, lens: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, verdict: "Verdict") -> None:

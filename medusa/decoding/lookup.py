@@ -19,7 +19,7 @@ from medusa.decoding.ragged import context
 from medusa.decoding.tree import chain
 
 if TYPE_CHECKING:
-    from medusa.decoding.engine import Batch
+    from medusa.decoding.batch import Batch
 
 
 class LookupProposer(Proposer):

@@ -20,7 +20,7 @@ from medusa.decoding.tree import DEFAULT_TREE, Tree, load_tree
 
 if TYPE_CHECKING:
     from medusa.decoding.dynamic_tree import RowTrees
-    from medusa.decoding.engine import Batch
+    from medusa.decoding.batch import Batch
     from medusa.decoding.verifier import Verdict
 
 
@@ -75,8 +75,10 @@ class RowState:
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         """Row src[i] moved into slot dst[i]."""
 
-    def prefilled(self, rows: slice, tokens: torch.Tensor, lengths: torch.Tensor, hidden: torch.Tensor) -> None:
-        """New rows' prompts tokens [k, T] (lengths [k]) went through the target: hidden [k, T, H]."""
+    def prefilled(self, rows: slice, tokens: torch.Tensor, lengths: torch.Tensor, hidden: torch.Tensor,
+                  start: int = 0) -> None:
+        """Prompt tokens [k, T] (lengths [k]) at positions start.. of `rows` went through the target: hidden
+        [k, T, H]. A whole prompt comes at start 0; a long one comes in chunks, in order."""
 
     def committed(self, lens: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, verdict: "Verdict") -> None:
         """A verification pass over tokens [n, T] (cache lengths lens [n] before it) gave hidden [n, T, H];

@@ -14,7 +14,7 @@ import torch
 from medusa.decoding.transformer import KVCache
 
 if TYPE_CHECKING:
-    from medusa.decoding.engine import Batch
+    from medusa.decoding.batch import Batch
 
 
 def common_prefix(cached: torch.Tensor, ctx: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:

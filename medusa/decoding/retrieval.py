@@ -38,7 +38,7 @@ from medusa.decoding.suffix import Datastore, Matcher, SuffixAutomaton
 from medusa.errors import MedusaError
 
 if TYPE_CHECKING:
-    from medusa.decoding.engine import Batch
+    from medusa.decoding.batch import Batch
 
 AUX_KEY = "retrieval"
 # Match lengths are bucketed: bucket i holds lengths MATCH_BUCKETS[i] up to the next bucket's start.

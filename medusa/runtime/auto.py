@@ -27,7 +27,7 @@ from medusa.decoding.proposers import Proposer
 from medusa.decoding.tree import Tree, build_tree, expected_tau
 
 if TYPE_CHECKING:
-    from medusa.decoding.engine import Batch
+    from medusa.decoding.batch import Batch
     from medusa.decoding.feature_heads import FeatureHead
     from medusa.decoding.heads import MedusaHeads
 

@@ -16,6 +16,7 @@ import sys
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -113,6 +114,17 @@ def calibration_path(key: dict) -> Path:
 
     digest = hashlib.sha256(json.dumps([VERSION, key], sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "calibration" / f"{digest}.json"
+
+
+def cached_curve(rt) -> Callable[[int, int], float] | None:
+    """This machine's calibrated pass time `ms(rows, tokens)` for the runtime's model when one is cached
+    (nothing is measured), else None."""
+    path = calibration_path(calibration_key(rt))
+    try:
+        cal = Calibration.from_dict(json.loads(path.read_text()), path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return cal.ms if cal.grid else None
 
 
 def load_or_measure(rt, batch_sizes: list[int] | None = None, tokens: list[int] | None = None,

@@ -1,5 +1,6 @@
 """The scheduler's way in: the admission queue (bounded, with a wait limit and a Retry-After estimate),
-cancellation, and prefill of waiting requests into free batch rows within a per-step token budget."""
+cancellation, and prefill of waiting requests into free batch rows within each step boundary's token budget
+(`medusa.serve.prefill`): short prompts whole, a long prompt a chunk per step boundary."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import math
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 
-from medusa.decoding.engine import Batch, Engine
+from medusa.decoding.batch import Batch
+from medusa.decoding.engine import Engine
 from medusa.decoding.outputs import StepOutput
 from medusa.errors import MedusaError
 from medusa.serve.metrics import Metrics
+from medusa.serve.prefill import PrefillBudget
 from medusa.serve.request import Overloaded, Request
 
 log = logging.getLogger("medusa.serve.scheduler")
@@ -33,14 +37,15 @@ class Admission:
     max_batch: int
     max_queue: int
     queue_timeout_s: float
-    prefill_budget: int
+    budget: PrefillBudget
+    prefilling: Request | None  # the request whose prompt is being prefilled in chunks
     completions: deque[float]  # monotonic times rows were freed
 
     # ---- called from the HTTP side -------------------------------------------------------------------
     def submit(self, *reqs: Request) -> None:
         """Queue requests (the choices of one HTTP request): all of them, or none when they do not fit."""
         with self.cond:
-            free_rows = self.max_batch - len(self.running)
+            free_rows = self.max_batch - self.occupied
             if len(self.queue) + len(reqs) > self.max_queue + max(free_rows, 0):
                 self.metrics.rejected.labels("queue_full").inc()
                 raise Overloaded()
@@ -56,8 +61,13 @@ class Admission:
                 self.cond.notify_all()
 
     @property
+    def occupied(self) -> int:
+        """Rows taken: running requests and the one being prefilled in chunks."""
+        return len(self.running) + (self.prefilling is not None)
+
+    @property
     def load(self) -> tuple[int, int]:
-        return len(self.running), len(self.queue)
+        return self.occupied, len(self.queue)
 
     def retry_after(self) -> int:
         """Seconds until a new request would likely get a row: the requests ahead of it over the rate rows
@@ -65,7 +75,7 @@ class Admission:
         [1, RETRY_AFTER_MAX_S]."""
         now = time.monotonic()
         with self.cond:
-            ahead = len(self.queue) + 1 - max(self.max_batch - len(self.running), 0)
+            ahead = len(self.queue) + 1 - max(self.max_batch - self.occupied, 0)
             while self.completions and now - self.completions[0] > DRAIN_WINDOW_S:
                 self.completions.popleft()
             freed = len(self.completions)
@@ -79,9 +89,13 @@ class Admission:
         return max(1, min(RETRY_AFTER_MAX_S, math.ceil(ahead * span / freed)))
 
     # ---- the engine thread, at a step boundary ------------------------------------------------------
-    def _take_admissible(self) -> list[Request]:
-        """Pop queued requests that fit the free rows and this step's prefill budget (under the lock)."""
+    def _take_admissible(self, tokens: int) -> tuple[list[Request], Request | None]:
+        """Pop what this step boundary prefills within `tokens` prompt tokens (under the lock): queued
+        requests whose prompts fit whole, or else the first one, to be prefilled in chunks (one at a time,
+        in arrival order: a prompt being chunked is finished before the next starts)."""
         self._expire_queued()
+        if self.prefilling is not None:
+            return [], None
         # Cancelled rows are dropped before this prefill, so their slots count as free.
         free = self.batch.free + sum(1 for r in self.running.values() if r.cancelled)
         chosen: list[Request] = []
@@ -89,11 +103,13 @@ class Admission:
         while self.queue and len(chosen) < max(free, 0):
             nxt = max(longest, len(self.queue[0].prompt))
             # Prompts are right-padded into one pass, so its cost is rows x longest prompt.
-            if chosen and (len(chosen) + 1) * nxt > self.prefill_budget:
+            if (len(chosen) + 1) * nxt > tokens:
                 break
             chosen.append(self.queue.popleft())
             longest = nxt
-        return chosen
+        if not chosen and self.queue and free > 0:
+            return [], self.queue.popleft()
+        return chosen, None
 
     def _expire_queued(self) -> None:
         """Drop cancelled queue entries and refuse those that waited past queue_timeout_s."""
@@ -117,9 +133,15 @@ class Admission:
             for r in gone:
                 del self.running[r.id]
                 self._finish(r, "cancelled")
+        req = self.prefilling
+        if req is not None and req.cancelled:
+            self.engine.abandon(self.batch)
+            self.prefilling = None
+            self._finish(req, "cancelled")
 
     def _prefill(self, reqs: list[Request]) -> None:
         """Add requests to the batch; when that fails, add them one at a time so only the culprit fails."""
+        start = time.perf_counter()
         try:
             out = self._add(reqs)
         except Exception as exc:
@@ -131,23 +153,62 @@ class Admission:
             for r in reqs:
                 self._prefill([r])
             return
+        self.budget.observe_prefill(len(reqs) * max(len(r.prompt) for r in reqs), time.perf_counter() - start)
         self.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in reqs))
         self._deliver(out)
 
     def _add(self, reqs: list[Request]) -> StepOutput:
-        n0 = self.batch.n
         for r in reqs:
             self.running[r.id] = r
-        try:
+        with self._undone_on_failure(reqs):
             return self.engine.add(self.batch, [r.id for r in reqs], [r.prompt for r in reqs],
                                    [r.max_tokens for r in reqs], sampling=[r.sampling for r in reqs],
                                    logprobs=[r.logprobs for r in reqs])
+
+    def _begin(self, req: Request) -> None:
+        """Start prefilling a long prompt in chunks (`_advance` runs them)."""
+        try:
+            self.engine.begin(self.batch, req.id, req.prompt, req.max_tokens, req.sampling, req.logprobs)
+        except Exception as exc:
+            self._refuse(req, exc)
+            return
+        self.prefilling = req
+
+    def _advance(self, tokens: int) -> None:
+        """The next chunk of the prompt being prefilled; after its last one the request runs."""
+        req = self.prefilling
+        left = self.batch.pending.left
+        start = time.perf_counter()
+        try:
+            if tokens >= left:  # the last chunk: the request runs, and gets its first token
+                self.running[req.id] = req
+            with self._undone_on_failure([req]):
+                out = self.engine.advance(self.batch, tokens)
+        except Exception as exc:
+            self.engine.abandon(self.batch)
+            self.prefilling = None
+            self._refuse(req, exc)
+            return
+        used = min(tokens, left)
+        self.budget.observe_prefill(used, time.perf_counter() - start)
+        self.metrics.prompt_tokens.inc(used)
+        self.metrics.prefill_chunks.inc()
+        if out is None:
+            return
+        self.prefilling = None
+        self._deliver(out)
+
+    @contextmanager
+    def _undone_on_failure(self, reqs: list[Request]):
+        """A failed admission leaves the batch as it was: new rows go after the first n0, and only they can
+        finish inside the admission, so cutting the batch back to n0 rows undoes it."""
+        n0 = self.batch.n
+        try:
+            yield
         except BaseException:
             for r in reqs:
                 self.running.pop(r.id, None)
                 self.batch.logprobs.pop(r.id, None)
-            # New rows go after the first n0, and only they can finish inside `add`: rows below n0 are
-            # untouched, so cutting the batch back to n0 rows undoes the failed admission.
             del self.batch.ids[n0:]
             self.batch.n = n0
             raise

@@ -31,6 +31,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="prompt + completion tokens per request (config max_context, default 2048)")
     p.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, default=None,
                    help="rows decoded together (config max_batch, default 32)")
+    p.add_argument("--prefill-tokens-per-step", "--max-num-batched-tokens", dest="prefill_tokens_per_step",
+                   default=None, metavar="N|auto", help="prompt tokens prefilled per step boundary (default auto: "
+                   "a prefill pass takes at most --prefill-stall x a decode pass; long prompts go in chunks)")
+    p.add_argument("--prefill-stall", type=float, default=None, metavar="X",
+                   help="auto prefill: a prefill pass may take X times the running rows' decode pass (default 1)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: "
                    "$MEDUSA_API_KEY if set); /health and /metrics stay open")
     p.add_argument("--header-timeout", dest="header_timeout_s", type=float, default=None, metavar="S",

@@ -80,7 +80,12 @@ class ServeConfig(BaseModel):
     default_max_tokens: int = Field(256, ge=1)
     max_queue: int = Field(64, ge=0)  # requests waiting for a slot; beyond it new ones get 429
     queue_timeout_s: float = Field(60.0, gt=0)
-    prefill_tokens_per_step: int = Field(512, ge=1)  # prompt tokens prefilled between two decode steps
+    # Prompt tokens prefilled at a step boundary (medusa.serve.prefill): "auto" sizes the prefill pass to
+    # take at most prefill_stall x the running rows' decode pass, so long prompts are prefilled in chunks and
+    # running streams keep their pace (inter-token latency within 1 + prefill_stall of their own); N: a fixed
+    # budget of N tokens per step, shared with the decode pass's tokens.
+    prefill_tokens_per_step: int | Literal["auto"] = "auto"
+    prefill_stall: float = Field(1.0, gt=0, le=100)
     # Largest request body accepted (bytes); larger ones get 413 before they are read. 1 MiB holds any
     # prompt that fits a 2048-token context many times over.
     max_body_bytes: int = Field(1 << 20, ge=1024)
@@ -103,6 +108,13 @@ class ServeConfig(BaseModel):
     @classmethod
     def _dtype(cls, v: str) -> str:
         return check_dtype_spelling(v)
+
+    @field_validator("prefill_tokens_per_step")
+    @classmethod
+    def _prefill_tokens(cls, v: int | str) -> int | str:
+        if v != "auto" and v < 1:
+            raise ValueError("must be 'auto' or a positive number of tokens")
+        return v
 
 
 def load_config(path: str | None = None, overrides: dict[str, Any] | None = None) -> ServeConfig:

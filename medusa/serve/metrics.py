@@ -36,6 +36,8 @@ class Metrics:
         for outcome in OUTCOMES:
             self.responses.labels(outcome)
         self.prompt_tokens = Counter("medusa_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prefill_chunks = Counter("medusa_prefill_chunks", "Prefill passes over a chunk of a long prompt "
+                                      "(between the running rows' steps)", registry=r)
         self.tokens = Counter("medusa_generated_tokens", "Completion tokens generated", registry=r)
         self.ttft = Histogram("medusa_time_to_first_token_seconds", "Arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)

@@ -1,9 +1,9 @@
 """Continuous batching: one background thread drives `engine.step` over a batch that requests join and leave.
 
-Each loop iteration is one step boundary: drop cancelled and timed-out requests, prefill waiting requests
-into free rows (at most `prefill_tokens_per_step` padded prompt tokens, so running rows are not stalled
-behind a burst of long prompts; see `medusa.serve.admission`), then run one decode step in the mode the
-speculation policy picks. New tokens are detokenised incrementally per request; a stop string ends the
+Each loop iteration is one step boundary: drop cancelled and timed-out requests, prefill within the
+boundary's token budget (whole short prompts into free rows, or the next chunk of a long prompt, so running
+rows are never stalled behind long prompts; see `medusa.serve.prefill` and `medusa.serve.admission`), then
+run one decode step in the mode the speculation policy picks. New tokens are detokenised incrementally per request; a stop string ends the
 request there (the row is removed from the batch and the string trimmed from the text). Results go back to
 the HTTP side through a callback per request that must be thread-safe (the app hands in
 `loop.call_soon_threadsafe`).
@@ -25,13 +25,15 @@ from typing import Any, Callable
 
 import torch
 
-from medusa.decoding.engine import Batch, Engine
+from medusa.decoding.batch import Batch
+from medusa.decoding.engine import Engine
 from medusa.decoding.outputs import StepOutput
 from medusa.decoding.transformer import cache_capacity
 from medusa.serve.admission import Admission
 from medusa.serve.detokenize import visible_text
 from medusa.serve.metrics import Metrics
 from medusa.serve.policy import Decision, SpeculationPolicy
+from medusa.serve.prefill import PrefillBudget
 from medusa.serve.request import Event, Request
 
 log = logging.getLogger("medusa.serve.scheduler")
@@ -42,18 +44,20 @@ MODES = ("medusa", "draft", "plain")
 class Scheduler(Admission):
     def __init__(self, engine: Engine, tokenizer: Any, policy: SpeculationPolicy,
                  proposer_for: Callable[[Decision], Any], metrics: Metrics, *, max_batch: int,
-                 max_context: int, max_queue: int, queue_timeout_s: float, prefill_tokens_per_step: int,
+                 max_context: int, max_queue: int, queue_timeout_s: float, budget: PrefillBudget,
                  max_proposal_tokens: int, attach: Callable[[Batch], None] | None = None):
         self.engine, self.tokenizer, self.policy = engine, tokenizer, policy
         self.proposer_for, self.metrics = proposer_for, metrics
         self.attach = attach  # sets up a new batch's per-row proposer state before anything is prefilled
         self.max_batch, self.max_context = max_batch, max_context
         self.max_queue, self.queue_timeout_s = max_queue, queue_timeout_s
-        self.prefill_budget = prefill_tokens_per_step
+        self.budget = budget
+        self.width = 1  # tokens per row of the last decode pass (its tree's size)
         # Room past the longest request for the candidate block of one verification pass.
         self.capacity = cache_capacity(max_context, 1, max_proposal_tokens)
         self.queue: deque[Request] = deque()
         self.running: dict[int, Request] = {}
+        self.prefilling: Request | None = None
         self.cond = threading.Condition()
         self.batch: Batch | None = None
         self.thread: threading.Thread | None = None
@@ -87,23 +91,34 @@ class Scheduler(Admission):
         torch.set_grad_enabled(False)
         while True:
             with self.cond:
-                while not (self.stopping or self.queue or self.running or self._probe_due()):
+                while not (self.stopping or self.queue or self.running or self.prefilling or self._probe_due()):
                     self.cond.wait(timeout=0.5)
                 if self.stopping:
                     break
-                admitted = self._take_admissible()
-            try:
-                if not (admitted or self.running) and self._probe_due():
-                    self._probe()
-                self._drop_cancelled()
-                if admitted:
-                    self._prefill(admitted)
-                if self.batch.n:
-                    self._decode()
-            except Exception as exc:  # the engine itself failed: fail the batch, say so, keep serving
-                self._engine_fault(exc)
-            self._update_gauges()
+            self.boundary()
         self._fail_all("server is shutting down", status=503)
+
+    def boundary(self) -> None:
+        """One step boundary: drop cancelled requests, prefill within the budget (whole prompts, or the
+        next chunk of a long one), then one decode step over the running rows."""
+        with self.cond:
+            tokens = self.budget.tokens(self.batch.n, self.width)
+            admitted, chunked = self._take_admissible(tokens)
+        try:
+            if not (admitted or chunked or self.running or self.prefilling) and self._probe_due():
+                self._probe()
+            self._drop_cancelled()
+            if admitted:
+                self._prefill(admitted)
+            if chunked is not None:
+                self._begin(chunked)
+            if self.prefilling is not None:
+                self._advance(tokens)
+            if self.batch.n:
+                self._decode()
+        except Exception as exc:  # the engine itself failed: fail the batch, say so, keep serving
+            self._engine_fault(exc)
+        self._update_gauges()
 
     def _decode(self) -> None:
         decision, proposer = self._choose()
@@ -111,6 +126,8 @@ class Scheduler(Admission):
         start = time.perf_counter()
         out, decision, proposer = self._step(decision, proposer)
         seconds = time.perf_counter() - start
+        self.budget.observe_decode(seconds)
+        self.width = proposer.tree.size if proposer is not None else 1
         if self.fault is not None:
             self._recovered("a decode step succeeded")
         self._record(decision, proposer, out, n, seconds)
@@ -268,7 +285,10 @@ class Scheduler(Admission):
         `message` may contain `{tag}`, replaced by each request's id."""
         with self.cond:
             victims = list(self.running.values()) + (list(self.queue) if status == 503 else [])
+            if self.prefilling is not None and self.prefilling.id not in self.running:
+                victims.append(self.prefilling)
             self.running.clear()
+            self.prefilling = None
             if status == 503:
                 self.queue.clear()
         for r in victims:
@@ -305,7 +325,7 @@ class Scheduler(Admission):
         self.metrics.healthy.set(1)
 
     def _update_gauges(self) -> None:
-        self.metrics.running.set(len(self.running))
+        self.metrics.running.set(self.occupied)
         self.metrics.queued.set(len(self.queue))
 
 

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from medusa.runtime import Runtime
+from medusa.runtime.calibrate import cached_curve
 from medusa.serve.body import parse_body
 from medusa.serve.config import ServeConfig
 from medusa.serve.errors import ApiError
 from medusa.serve.metrics import Metrics
 from medusa.serve.policy import Decision, SpeculationPolicy
+from medusa.serve.prefill import PrefillBudget
 from medusa.serve.proposers import calibrated_policy, default_trees, drafts_alone, heads_proposers
 from medusa.serve.protocol import ChatCompletionRequest, CompletionRequest
 from medusa.serve.request import Event, Overloaded, Request
@@ -45,7 +47,8 @@ class Server:
         self.scheduler = Scheduler(
             rt.engine, rt.tokenizer, self.policy, self.proposer_for, self.metrics,
             max_batch=cfg.max_batch, max_context=cfg.max_context, max_queue=cfg.max_queue,
-            queue_timeout_s=cfg.queue_timeout_s, prefill_tokens_per_step=cfg.prefill_tokens_per_step,
+            queue_timeout_s=cfg.queue_timeout_s,
+            budget=PrefillBudget(cfg.prefill_tokens_per_step, cfg.prefill_stall, cached_curve(rt)),
             max_proposal_tokens=max(sizes, default=1), attach=self.attach)
 
     def attach(self, batch: Any) -> None:

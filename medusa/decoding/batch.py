@@ -1,0 +1,110 @@
+"""`Batch`: the decoding state of the sequences one engine steps together, and `Prefill`, a long prompt on its
+way into a batch one chunk at a time.
+
+Rows are slots of one KV cache. The active rows occupy slots [0, n) and every step runs over exactly that
+view; a finished row's slot is filled by moving the last rows down. A prompt being prefilled in chunks
+(`Engine.begin` / `Engine.advance`) sits in the cache's top slot, outside the active view, so the steps of the
+running rows never see it; its last chunk moves it into slot n, where it joins the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+
+from medusa.decoding.outputs import Finished, Stats
+from medusa.decoding.proposers import RowState
+from medusa.decoding.sampling import RowSampling, SamplingParams
+from medusa.decoding.transformer import Transformer
+
+
+@dataclass
+class Prefill:
+    """A prompt being prefilled chunk by chunk into slot `slot` (the batch's top slot); `done` of its tokens
+    are in the cache. What it joins the batch with once its last chunk ran: `max_new`, `sampling`, `logprobs`
+    (as `Engine.add` takes them)."""
+
+    id: Hashable
+    prompt: list[int]
+    max_new: int
+    sampling: SamplingParams
+    logprobs: int | None
+    slot: int
+    done: int = 0
+
+    @property
+    def left(self) -> int:
+        """Prompt tokens not yet in the cache."""
+        return len(self.prompt) - self.done
+
+
+class Batch:
+    """Decoding state of up to `rows` sequences: cache, pending root token and its hidden state, outputs."""
+
+    def __init__(self, model: Transformer, rows: int, capacity: int, max_new_tokens: int):
+        dev = model.device
+        self.cache = model.new_cache(rows, capacity)
+        self.n = 0
+        self.ids: list[Hashable] = []
+        self.root = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.hidden = torch.zeros(rows, model.config.hidden_size, dtype=model.dtype, device=dev)
+        self.out = torch.zeros(rows, max_new_tokens + 1, dtype=torch.long, device=dev)
+        self.out_len = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.max_new = torch.zeros(rows, dtype=torch.long, device=dev)
+        # Every row's committed tokens (prompt, then output; the pending root is not included): what
+        # context-based proposers read (prompt lookup) and what a draft model catches up on.
+        self.seq = torch.zeros(rows, capacity, dtype=torch.long, device=dev)
+        # Per-row state that proposers keep beside the batch (a draft model's KV cache, a feature head's
+        # features, retrieval's automata), by proposer kind.
+        self.aux: dict[str, RowState] = {}
+        self.sampling = RowSampling(rows, dev)
+        self.stats = Stats()
+        # Request id -> top-k of the rows that asked for log-probabilities. Empty in the common case, so
+        # a step pays one dict check for the feature.
+        self.logprobs: dict[Hashable, int] = {}
+        self.pending: Prefill | None = None  # a prompt being prefilled in chunks, in the top slot
+
+    @property
+    def seq_len(self) -> torch.Tensor:
+        """[n] committed length of each active row (= its KV cache length)."""
+        return self.cache.lens[: self.n]
+
+    @property
+    def free(self) -> int:
+        """Slots a new row can take (the top slot is taken while a prompt is prefilled in chunks)."""
+        return self.cache.rows - self.n - (self.pending is not None)
+
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        """Row src[i] moves into slot dst[i]: its cache, outputs and every proposer's state for it."""
+        self.cache.move_rows(src, dst)
+        for state in (self.sampling, *self.aux.values()):
+            state.move_rows(src, dst)
+        s, d = torch.tensor(src, device=self.root.device), torch.tensor(dst, device=self.root.device)
+        for t in (self.root, self.hidden, self.out, self.out_len, self.max_new, self.seq):
+            t[d] = t[s]
+
+    def remove(self, ids: list[Hashable]) -> list[Finished]:
+        """Drop rows (finished, cancelled) and close the gap by moving the last rows into their slots."""
+        slots = sorted(self.ids.index(i) for i in ids)
+        gone = set(slots)
+        done = [Finished(self.ids[s], self.out[s, : int(self.out_len[s])].tolist(), "") for s in slots]
+        keep_n = self.n - len(slots)
+        holes = [s for s in slots if s < keep_n]
+        movers = [s for s in range(keep_n, self.n) if s not in gone]
+        if holes:
+            self.move_rows(movers, holes)
+            for s, d in zip(movers, holes):
+                self.ids[d] = self.ids[s]
+        del self.ids[keep_n:]
+        self.n = keep_n
+        for f in done:
+            self.logprobs.pop(f.id, None)
+        return done
+
+    def logprobs_k(self) -> int | None:
+        """The largest top-k asked for by an active row, or None when no row asked for log-probabilities."""
+        if not self.logprobs:
+            return None
+        return max(self.logprobs.values())

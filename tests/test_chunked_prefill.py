@@ -1,0 +1,131 @@
+"""Chunked prefill (`Engine.begin` / `Engine.advance`): a long prompt enters a running batch a chunk at a
+time between steps, in the cache's top slot, and decodes exactly as it would alone, whatever the proposer and
+whatever the rows around it do meanwhile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_heads, tiny_model
+from medusa.decoding.draft import DraftProposer
+from medusa.decoding.engine import Engine
+from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
+from medusa.decoding.feature_proposer import FeatureProposer, TreeShape
+from medusa.decoding.lookup import LookupProposer
+from medusa.decoding.proposers import MedusaProposer
+from medusa.decoding.retrieval import MergedProposer, Retriever
+from medusa.decoding.tree import load_tree
+from medusa.decoding.transformer import Transformer
+from medusa.errors import MedusaError
+
+V = 13  # a small vocabulary: drafts are accepted often enough that rows move at different speeds
+
+
+@pytest.fixture(scope="module")
+def small():
+    model = tiny_model("llama", seed=3, vocab=V)
+    return model, Engine(Transformer(model), eos_token_ids=None)
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    """Prompts of 3 to 60 tokens: short ones join whole, long ones in chunks."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (3 + (17 * i + 5) % 58,), generator=g).tolist() for i in range(count)]
+
+
+def make(name: str, model, engine):
+    torch.manual_seed(0)
+    c = model.config
+    if name == "plain":
+        return None
+    if name == "medusa":
+        return MedusaProposer(random_heads(model, num_heads=4), load_tree("tree-8"))
+    if name == "feature+suffix":
+        head = FeatureHead(FeatureHeadConfig(c.hidden_size, c.vocab_size, c.vocab_size), model)
+        return MergedProposer(FeatureProposer(head, engine.model, TreeShape(8, 3, 3)), Retriever(3, 6))
+    if name == "draft":
+        return DraftProposer(Transformer(tiny_model("llama", seed=5, vocab=V)), k=3)
+    return LookupProposer(k=4)
+
+
+@pytest.mark.parametrize("name", ["plain", "medusa", "feature+suffix", "draft", "lookup"])
+@pytest.mark.parametrize("chunk", [1, 7, 32])
+def test_chunked_rows_decode_as_they_would_alone(small, name, chunk):
+    """Rows join (short prompts whole, long ones `chunk` tokens per step), leave at their own lengths and
+    decode speculatively meanwhile: every row's tokens equal its solo greedy decoding (fp32)."""
+    model, engine = small
+    ps = prompts(7, seed=chunk)
+    limits = [5, 20, 9, 20, 14, 20, 11]
+    solo = [engine.generate([p], m).outputs[0].tokens for p, m in zip(ps, limits)]
+    proposer = make(name, model, engine)
+    batch = engine.new_batch(3, 128, 24)
+    if proposer is not None:
+        proposer.attach(batch)
+    waiting, got, chunks = list(range(len(ps))), {}, 0
+
+    def finish(out):
+        for f in out.finished:
+            got[f.id] = f.tokens
+
+    while batch.n or waiting or batch.pending:
+        if batch.pending is not None:
+            out = engine.advance(batch, chunk)
+            chunks += 1
+            if out is not None:
+                finish(out)
+        elif waiting and batch.free:
+            i = waiting.pop(0)
+            if len(ps[i]) > chunk:
+                engine.begin(batch, i, ps[i], limits[i])
+            else:
+                finish(engine.add(batch, [i], [ps[i]], limits[i]))
+        if batch.n:
+            finish(engine.step(batch, proposer))
+    assert [got[i] for i in range(len(ps))] == solo
+    assert chunks >= sum(-(-len(p) // chunk) for p in ps if len(p) > chunk)
+
+
+def test_features_of_a_chunked_prompt_are_the_whole_prompts(small):
+    """The feature head keeps every chunk's features: the same as a whole prefill gives."""
+    model, engine = small
+    c = model.config
+    head = FeatureHead(FeatureHeadConfig(c.hidden_size, c.vocab_size, c.vocab_size), model)
+    p = prompts(2, seed=4)[1]
+    states = []
+    for chunked in (False, True):
+        batch = engine.new_batch(2, 96, 8)
+        FeatureProposer(head, engine.model, TreeShape(4, 2, 2)).attach(batch)
+        engine.add(batch, ["other"], [[1, 2, 3]], 8)
+        if chunked:
+            engine.begin(batch, "long", p, 8)
+            while engine.advance(batch, 9) is None:
+                pass
+        else:
+            engine.add(batch, ["long"], [p], 8)
+        states.append(batch.aux["feature"])
+        assert batch.ids == ["other", "long"]
+    whole, parts = states
+    assert int(parts.feat_len[1]) == int(whole.feat_len[1]) == len(p)
+    torch.testing.assert_close(parts.feats[1, : len(p)], whole.feats[1, : len(p)], rtol=1e-4, atol=1e-4)
+
+
+def test_the_pending_slot_is_outside_the_active_rows(small):
+    model, engine = small
+    batch = engine.new_batch(3, 96, 8)
+    engine.add(batch, ["a", "b"], [[1, 2], [3, 4, 5]], 8)
+    engine.begin(batch, "long", list(range(1, 13)) * 3, 8)
+    assert batch.free == 0 and batch.pending.slot == 2
+    with pytest.raises(MedusaError, match="room for 0"):
+        engine.add(batch, ["c"], [[1]], 8)
+    with pytest.raises(MedusaError, match="already prefilling"):
+        engine.begin(batch, "other", [1, 2], 8)
+    engine.advance(batch, 10)
+    batch.remove(["a"])  # a row leaves mid-prefill: the pending prompt's slot is not touched
+    engine.step(batch)
+    assert batch.pending.done == 10 and int(batch.cache.lens[2]) == 10
+    assert engine.abandon(batch).id == "long" and batch.pending is None and batch.free == 2
+    with pytest.raises(MedusaError, match="no prompt"):
+        engine.advance(batch, 4)
+    with pytest.raises(MedusaError, match="empty"):
+        engine.begin(batch, "empty", [], 8)
