@@ -25,6 +25,10 @@ decoded alone and batched) to show how far below the bound it is.
 
     python benchmarks/soak.py                       # 60 s, 12 clients
     python benchmarks/soak.py --duration 20 --clients 6 --out /tmp/soak.json
+    python benchmarks/soak.py --minutes 30 --out benchmarks/results/soak-30min.json
+
+Memory: the server's RSS is sampled every `--rss-every` seconds through the traffic (`benchmarks/rss_trace.py`);
+its trend must stay under 1% per 10 minutes, and the trace is plotted beside the JSON (same name, .png).
 
 Traffic goes only to the loopback server this script starts; every loop is bounded in count and time.
 """
@@ -40,6 +44,7 @@ from pathlib import Path
 import httpx
 
 from medusa.io import write_json_atomic
+from rss_trace import RssTrace, plot, slope_pct_per_10min
 from server_process import ServerProcess
 from soak_report import build_report, judge_mismatches, print_report
 from soak_requests import outcome_counts, run_load, solo_answers, wait_drained
@@ -51,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", default="default")
     p.add_argument("--dtype", default="fp32", help="fp32 makes greedy answers comparable token for token")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of traffic")
+    p.add_argument("--minutes", type=float, default=None, help="minutes of traffic (overrides --duration)")
+    p.add_argument("--rss-every", type=float, default=10.0, help="seconds between RSS samples")
     p.add_argument("--max-requests", type=int, default=3000)
     p.add_argument("--clients", type=int, default=12)
     p.add_argument("--max-batch", type=int, default=8)
@@ -65,7 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-tolerance", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/soak.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.minutes is not None:
+        args.duration = 60 * args.minutes
+        args.max_requests = max(args.max_requests, int(args.duration * 20))
+    return args
 
 
 def server_config(args: argparse.Namespace) -> dict:
@@ -88,7 +99,12 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.0)
             rss_before = server.rss_mb()
             start = time.monotonic()
-            tally = asyncio.run(run_load(server.url, model, args, args.duration, args.max_requests, solo))
+            trace = RssTrace(server.rss_mb, args.rss_every)
+            trace.start()
+            try:
+                tally = asyncio.run(run_load(server.url, model, args, args.duration, args.max_requests, solo))
+            finally:
+                samples = trace.stop()
             elapsed = time.monotonic() - start
             health = wait_drained(server.url)
             time.sleep(1.0)
@@ -99,8 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         log_tail = server.log_path.read_text()[-3000:]
     greedy = judge_mismatches(args, warm.mismatches + tally.mismatches, solo)
     report = build_report(args, tally, warm, elapsed, health, rss_before, rss_after, metrics, log_tail, greedy)
+    report["rss_trace"] = {"every_s": args.rss_every, "samples": samples,
+                           "slope_pct_per_10min": round(slope_pct_per_10min(samples), 3)}
+    report["verdict"]["rss_slope_pct_per_10min"] = report["rss_trace"]["slope_pct_per_10min"]
+    report["verdict"]["pass"] = report["verdict"]["pass"] and abs(report["rss_trace"]["slope_pct_per_10min"]) < 1.0
+    plot(samples, str(Path(args.out).with_suffix(".png")),
+         f"medusa serve RSS, {args.duration / 60:g} min soak, {report['cpu']['model']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out, report)
+    print(f"RSS trend over the traffic: {report['rss_trace']['slope_pct_per_10min']:+.2f}% per 10 minutes "
+          f"({len(samples)} samples; flat: under 1%)")
     print_report(report)
     return 0 if report["verdict"]["pass"] else 1
 

@@ -1,6 +1,6 @@
-"""Chunked prefill (`Engine.begin` / `Engine.advance`): a long prompt enters a running batch a chunk at a
-time between steps, in the cache's top slot, and decodes exactly as it would alone, whatever the proposer and
-whatever the rows around it do meanwhile."""
+"""Chunked prefill (`Engine.begin`, chunks carried by `Engine.step` or in `Engine.advance`, `Engine.join`): a
+long prompt enters a running batch a chunk at a time, in the cache's top slot, and decodes exactly as it would
+alone, whatever the proposer and whatever the rows around it do meanwhile."""
 
 from __future__ import annotations
 
@@ -50,10 +50,11 @@ def make(name: str, model, engine):
 
 
 @pytest.mark.parametrize("name", ["plain", "medusa", "feature+suffix", "draft", "lookup"])
-@pytest.mark.parametrize("chunk", [1, 7, 32])
-def test_chunked_rows_decode_as_they_would_alone(small, name, chunk):
-    """Rows join (short prompts whole, long ones `chunk` tokens per step), leave at their own lengths and
-    decode speculatively meanwhile: every row's tokens equal its solo greedy decoding (fp32)."""
+@pytest.mark.parametrize("chunk, fused", [(1, True), (7, True), (32, True), (7, False)])
+def test_chunked_rows_decode_as_they_would_alone(small, name, chunk, fused):
+    """Rows join (short prompts whole, long ones `chunk` tokens per step: in the running rows' pass when
+    `fused`, else in a pass of their own), leave at their own lengths and decode speculatively meanwhile:
+    every row's tokens equal its solo greedy decoding (fp32)."""
     model, engine = small
     ps = prompts(7, seed=chunk)
     limits = [5, 20, 9, 20, 14, 20, 11]
@@ -69,19 +70,21 @@ def test_chunked_rows_decode_as_they_would_alone(small, name, chunk):
             got[f.id] = f.tokens
 
     while batch.n or waiting or batch.pending:
-        if batch.pending is not None:
-            out = engine.advance(batch, chunk)
+        carried = fused and batch.n and batch.pending is not None
+        if batch.pending is not None and not carried:
+            engine.advance(batch, chunk)
             chunks += 1
-            if out is not None:
-                finish(out)
-        elif waiting and batch.free:
+        elif waiting and batch.free and batch.pending is None:
             i = waiting.pop(0)
             if len(ps[i]) > chunk:
                 engine.begin(batch, i, ps[i], limits[i])
             else:
                 finish(engine.add(batch, [i], [ps[i]], limits[i]))
         if batch.n:
-            finish(engine.step(batch, proposer))
+            finish(engine.step(batch, proposer, prefill=chunk if carried else 0))
+            chunks += bool(carried)
+        if batch.pending is not None and batch.pending.left == 0:
+            finish(engine.join(batch))
     assert [got[i] for i in range(len(ps))] == solo
     assert chunks >= sum(-(-len(p) // chunk) for p in ps if len(p) > chunk)
 
@@ -99,8 +102,9 @@ def test_features_of_a_chunked_prompt_are_the_whole_prompts(small):
         engine.add(batch, ["other"], [[1, 2, 3]], 8)
         if chunked:
             engine.begin(batch, "long", p, 8)
-            while engine.advance(batch, 9) is None:
+            while engine.advance(batch, 9):
                 pass
+            engine.join(batch)
         else:
             engine.add(batch, ["long"], [p], 8)
         states.append(batch.aux["feature"])
@@ -120,7 +124,9 @@ def test_the_pending_slot_is_outside_the_active_rows(small):
         engine.add(batch, ["c"], [[1]], 8)
     with pytest.raises(MedusaError, match="already prefilling"):
         engine.begin(batch, "other", [1, 2], 8)
-    engine.advance(batch, 10)
+    assert engine.advance(batch, 10) == 26
+    with pytest.raises(MedusaError, match="fully prefilled"):
+        engine.join(batch)
     batch.remove(["a"])  # a row leaves mid-prefill: the pending prompt's slot is not touched
     engine.step(batch)
     assert batch.pending.done == 10 and int(batch.cache.lens[2]) == 10

@@ -610,17 +610,41 @@ def test_prefill_budget_spreads_admission_over_steps(rt):
     assert sched.batch.n == len(lengths)
 
 
+def test_a_long_prompt_on_an_idle_server_is_prefilled_in_chunks_of_its_own(rt):
+    """No row decodes: the chunks go in passes of their own, then the request runs like any other."""
+    from medusa.serve.request import Request
+
+    server = create_app(ServeConfig(dtype="fp32", max_batch=4, max_context=256, prefill_tokens_per_step=64,
+                                    policy={"mode": "plain"}), rt).state.server
+    sched = server.scheduler
+    sched.batch = sched.new_batch()
+    prompt = [(7 * i) % 500 + 1 for i in range(150)]
+    events = []
+    sched.submit(Request(prompt, 6, events.append))
+    chunks = []
+    while sched.prefilling is not None or sched.queue:
+        sched.boundary()
+        chunks.append(sched.batch.pending.done if sched.batch.pending else len(prompt))
+    assert chunks == [64, 128, 150] and sched.batch.n == 1 and events[0].kind == "delta"
+    while sched.running:
+        sched.boundary()
+    assert [e.kind for e in events][-1] == "done"
+    assert sum(len(e.token_ids) for e in events) == 6
+    assert [t for e in events for t in e.token_ids] == rt.engine.generate([prompt], 6).outputs[0].tokens
+
+
 def test_auto_prefill_budget_follows_the_measured_passes():
     from medusa.serve.prefill import MAX_CHUNK, MIN_CHUNK, PrefillBudget
 
     budget = PrefillBudget("auto", stall=1.0)
     assert budget.tokens(0, 8) == MAX_CHUNK  # nothing decodes: nothing to stall
     assert budget.tokens(2, 8) == 16  # nothing measured: as many tokens as the decode pass
-    budget.observe_decode(0.020)
-    budget.observe_prefill(64, 0.064)  # 1 ms per prompt token
-    assert budget.tokens(2, 8) == 20  # a prefill pass as long as a decode pass
-    assert PrefillBudget("auto", stall=2.0, curve=lambda b, t: 10.0 * b + t).tokens(3, 4) == 2 * 34 * 64 // 74
-    budget.observe_decode(0.0001)
+    budget.observe(0.020)  # a decode step alone
+    budget.observe(0.084, 64)  # one carrying 64 prompt tokens: 1 ms each
+    assert budget.tokens(2, 8) == 20  # prompt tokens that double the decode pass
+    curve = lambda b, t: 10.0 * b + 0.5 * t  # noqa: E731  (ms: 0.5 per token, 10 per row)
+    assert PrefillBudget("auto", stall=2.0, curve=curve).tokens(3, 4) == int(2 * 32 / (42 / 64))
+    budget.observe(0.0001)
     assert budget.tokens(2, 8) == MIN_CHUNK
     fixed = PrefillBudget(100)
     assert (fixed.tokens(0, 8), fixed.tokens(4, 8), fixed.tokens(40, 8)) == (100, 68, MIN_CHUNK)

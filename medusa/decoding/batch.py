@@ -33,6 +33,7 @@ class Prefill:
     logprobs: int | None
     slot: int
     done: int = 0
+    last: torch.Tensor | None = None  # [1, H] the hidden state of the last prompt token prefilled
 
     @property
     def left(self) -> int:

@@ -1,8 +1,8 @@
 """The decoding loop shared by the CLI, the evaluator and the server.
 
 A `Batch` (`medusa.decoding.batch`) holds up to `rows` sequences in one KV cache. `Engine.add` prefills new
-rows and decides their first token; `Engine.begin` / `Engine.advance` do the same for a long prompt a chunk at
-a time, between steps, so the running rows are not stalled behind it. Each `Engine.step` runs one target pass
+rows and decides their first token; `Engine.begin`, then chunks carried by `Engine.step` (or `Engine.advance`),
+then `Engine.join` do the same for a long prompt a chunk at a time, so the running rows are not stalled. Each `Engine.step` runs one target pass
 over every active row: the pending root token plus the proposer's candidate tree (just the root for plain
 decoding), verifies, commits the accepted entries of each row, and retires rows that are done. Rows have
 their own lengths and accept different numbers of tokens; nothing in the step loops over rows in Python.
@@ -93,33 +93,51 @@ class Engine:
         return batch.pending
 
     @torch.inference_mode()
-    def advance(self, batch: Batch, tokens: int) -> StepOutput | None:
-        """Prefill the next at most `tokens` prompt tokens of the batch's pending prompt. Its last chunk
-        moves it into slot n, where it joins the active rows: the output of that call is `add`'s (its first
-        token); None before."""
+    def advance(self, batch: Batch, tokens: int) -> int:
+        """Prefill the next at most `tokens` prompt tokens of the batch's pending prompt in a pass of its own
+        (`step(..., prefill=N)` shares the running rows' pass instead); returns the prompt tokens still to
+        go. Once none are, `join` brings the row in."""
+        part = self._chunk(batch, tokens)
+        hidden = self.model(*part[:2], batch.cache, *part[2:])
+        batch.stats.forward_passes += 1
+        self._chunk_done(batch, part, hidden)
+        return batch.pending.left
+
+    def join(self, batch: Batch) -> StepOutput:
+        """The pending prompt, now all in the cache, joins the active rows in slot n and gets its first
+        token (`add`'s output)."""
         pf = batch.pending
-        if pf is None:
-            raise MedusaError("no prompt is being prefilled in chunks")
-        if tokens <= 0:
-            raise MedusaError(f"a prefill chunk needs at least one token, got {tokens}")
-        dev = self.model.device
-        c = min(tokens, pf.left)
-        chunk = torch.tensor([pf.prompt[pf.done: pf.done + c]], dtype=torch.long, device=dev)
-        slot = pf.slot
-        if c == pf.left:  # the last chunk: the row joins the active view first, in slot n
-            if slot != batch.n:
-                batch.move_rows([slot], [batch.n])
-            slot, batch.pending = batch.n, None
-        hidden = self._prefill(batch, slice(slot, slot + 1), chunk, torch.tensor([c], device=dev), pf.done)
-        pf.done += c
-        if batch.pending is not None:
-            return None
-        return self._join(batch, [pf.id], hidden[:, c - 1], [pf.max_new], [pf.sampling], [pf.logprobs])
+        if pf is None or pf.left:
+            raise MedusaError("no prompt is fully prefilled and waiting to join")
+        if pf.slot != batch.n:
+            batch.move_rows([pf.slot], [batch.n])
+        batch.pending = None
+        return self._join(batch, [pf.id], pf.last, [pf.max_new], [pf.sampling], [pf.logprobs])
 
     def abandon(self, batch: Batch) -> Prefill | None:
         """Give up the prompt being prefilled in chunks (its request was cancelled): its slot is free again."""
         pf, batch.pending = batch.pending, None
         return pf
+
+    def _chunk(self, batch: Batch, tokens: int) -> tuple[torch.Tensor, torch.Tensor, slice, torch.Tensor]:
+        """The pass part (tokens, positions, rows, block mask) of the pending prompt's next chunk."""
+        pf = batch.pending
+        if pf is None:
+            raise MedusaError("no prompt is being prefilled in chunks")
+        if tokens <= 0:
+            raise MedusaError(f"a prefill chunk needs at least one token, got {tokens}")
+        if not pf.left:
+            raise MedusaError(f"the prompt of request {pf.id!r} is all prefilled: join it")
+        dev = self.model.device
+        c = min(tokens, pf.left)
+        chunk = torch.tensor([pf.prompt[pf.done: pf.done + c]], dtype=torch.long, device=dev)
+        return chunk, torch.arange(pf.done, pf.done + c, device=dev)[None], slice(pf.slot, pf.slot + 1), causal(c, dev)
+
+    def _chunk_done(self, batch: Batch, part: tuple, hidden: torch.Tensor) -> None:
+        pf, c = batch.pending, part[0].shape[1]
+        self._prefilled(batch, part[2], part[0], torch.tensor([c], device=hidden.device), hidden, pf.done)
+        pf.done += c
+        pf.last = hidden[:, c - 1]
 
     @staticmethod
     def _check(batch: Batch, prompts: list[list[int]], limits: list[int], logprobs: list[int | None]) -> None:
@@ -142,12 +160,19 @@ class Engine:
         batch.cache.lens[rows] = start
         positions = (start + torch.arange(t, device=tokens.device)).expand(k, t)
         hidden = self.model(tokens, positions, batch.cache, rows, causal(t, tokens.device))
+        batch.stats.forward_passes += 1
+        self._prefilled(batch, rows, tokens, lengths, hidden, start)
+        return hidden
+
+    @staticmethod
+    def _prefilled(batch: Batch, rows: slice, tokens: torch.Tensor, lengths: torch.Tensor, hidden: torch.Tensor,
+                   start: int) -> None:
+        """Prompt tokens [k, T] at positions start.. of `rows` went through the target: the rows' lengths,
+        their record of tokens and every proposer's state follow."""
         for state in list(batch.aux.values()):
             state.prefilled(rows, tokens, lengths, hidden, start)
         batch.cache.lens[rows] = start + lengths
-        batch.seq[rows, start: start + t] = tokens
-        batch.stats.forward_passes += 1
-        return hidden
+        batch.seq[rows, start: start + tokens.shape[1]] = tokens
 
     def _join(self, batch: Batch, ids: list[Hashable], last: torch.Tensor, limits: list[int],
               sampling: list[SamplingParams], logprobs: list[int | None]) -> StepOutput:
@@ -180,9 +205,12 @@ class Engine:
         return self._emit(batch, rows, new, torch.ones(k, dtype=torch.long, device=dev), lp)  # accepted: 0
 
     @torch.inference_mode()
-    def step(self, batch: Batch, proposer: Proposer | None = None) -> StepOutput:
+    def step(self, batch: Batch, proposer: Proposer | None = None, prefill: int = 0) -> StepOutput:
         """One verification pass over all active rows: the pending roots, the proposer's candidates (one
-        tree for every row, or a tree per row from a proposer with `owns_step`), verification, commit."""
+        tree for every row, or a tree per row from a proposer with `owns_step`), verification, commit.
+
+        `prefill`: the pass also carries the next at most this many tokens of the prompt being prefilled in
+        chunks (one read of the weights for both); once that prompt is all in, `join` brings it in."""
         n = batch.n
         rows = slice(0, n)
         # Read before any of this step's work is queued: on a GPU the host then waits for nothing.
@@ -201,7 +229,13 @@ class Engine:
                 proposal = proposer.propose(batch)
                 tokens, probs = torch.cat([tokens, proposal.tokens], dim=1), proposal.probs
             cand, depth, mask = Candidates.shared(tokens, buf, probs), buf.depth, buf.mask
-        hidden = self.model(tokens, batch.cache.lens[rows, None] + depth, batch.cache, rows, mask)
+        positions = batch.cache.lens[rows, None] + depth
+        if prefill and batch.pending is not None and batch.pending.left:
+            chunk = self._chunk(batch, prefill)
+            hidden, chunk_hidden = self.model.forward_parts(batch.cache, [(tokens, positions, rows, mask), chunk])
+            self._chunk_done(batch, chunk, chunk_hidden)
+        else:
+            hidden = self.model(tokens, positions, batch.cache, rows, mask)
         logits = self.model.lm_head(hidden)
         if sampled:
             verdict = self.sampler.verify(batch.sampling.probs(logits, rows), cand, batch.sampling, rows)

@@ -18,9 +18,9 @@ from torch import nn
 from medusa.decoding.feature_heads import FeatureHead
 from medusa.decoding.proposers import RowState
 from medusa.errors import MedusaError
+from medusa.decoding.attention import pass_mask, short_block_bias
 from medusa.decoding.transformer import (SHORT_BLOCK, DecoderLayer, KVCache, RMSNorm, Transformer, attention_dtype,
-                                         cache_dtype, packed_linear, pass_mask, rope_tables, rows_linear,
-                                         short_block_bias)
+                                         cache_dtype, packed_linear, rope_tables, rows_linear)
 
 if TYPE_CHECKING:
     from medusa.decoding.verifier import Verdict

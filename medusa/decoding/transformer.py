@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from medusa.errors import MedusaError
+from medusa.decoding.attention import attention, pass_mask, short_block_bias
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -116,6 +117,33 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
                 block_mask: torch.Tensor) -> torch.Tensor:
         """tokens/positions [B, T]; block_mask [T, T] (or [B, T, T]) says which block entries each sees."""
+        x, (rope, data, row_idx, slots, mask, bias) = self.prepare(tokens, positions, cache, rows, block_mask)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, rope, data[i], row_idx, slots, mask, bias)  # (no per-call hook machinery)
+        return self.norm.forward(x)
+
+    def forward_parts(self, cache: KVCache, parts: list[tuple[torch.Tensor, torch.Tensor, slice, torch.Tensor]]
+                      ) -> list[torch.Tensor]:
+        """One pass over several parts, each (tokens, positions, rows, block_mask) as `forward` takes them
+        (the running rows' candidate trees, a prompt chunk): the linear layers run once over every part's
+        tokens, so the weights are read once, and attention runs per part. -> each part's hidden [B, T, h]."""
+        ready = [self.prepare(*p[:2], cache, *p[2:]) for p in parts]
+        shapes = [x.shape[:2] for x, _ in ready]
+        sizes = [b * t for b, t in shapes]
+        x = torch.cat([x.reshape(1, n, -1) for (x, _), n in zip(ready, sizes)], dim=1)  # [1, N, h]
+        for i, layer in enumerate(self.layers):
+            qkv = layer.wqkv.forward(layer.ln1.forward(x))
+            o = [layer.attend(q.view(b, t, layer.nq + 2 * layer.nkv, layer.head_dim), rope, data[i], *rest)
+                 .reshape(1, b * t, -1)
+                 for q, (b, t), (_, (rope, data, *rest)) in zip(qkv.split(sizes, dim=1), shapes, ready)]
+            x = layer.mlp(layer.wo.plus(torch.cat(o, dim=1), x))
+        x = self.norm.forward(x)
+        return [h.view(b, t, -1) for h, (b, t) in zip(x.split(sizes, dim=1), shapes)]
+
+    def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
+                block_mask: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """A pass's embeddings [B, T, h] and what its attention needs in every layer: rope tables, the
+        rows' cache window, where the block's K/V go, the masks."""
         b, t = tokens.shape
         lens = cache.lens[rows]
         window = int(lens.max()) + t
@@ -126,11 +154,8 @@ class Transformer(nn.Module):
         slots = lens[:, None] + torch.arange(t, device=tokens.device)  # where this block's K/V go
         x = self.embed(tokens)
         rope = rope_tables(*self.rotary(x, positions))
-        data = cache.data[:, :, rows, :, :window]
         row_idx = torch.arange(b, device=tokens.device)[:, None]
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, rope, data[i], row_idx, slots, mask, bias)  # (no per-call hook machinery)
-        return self.norm.forward(x)
+        return x, (rope, cache.data[:, :, rows, :, :window], row_idx, slots, mask, bias)
 
     def _pass_masks(self, lens: torch.Tensor, block_mask: torch.Tensor, t: int, window: int,
                     kv_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -182,8 +207,15 @@ class DecoderLayer(nn.Module):
         """Attention over `attn_in` [B, T, *] (the normed input) added to the residual x [B, T, h], then the
         MLP. This block's K/V are written into kv [2, B, KV, L, D] at `slots` [B, T] (rows `row_idx`)."""
         b, t, _ = x.shape
-        d, nq, nkv = self.head_dim, self.nq, self.nkv
-        qkv = self.wqkv.forward(attn_in).view(b, t, nq + 2 * nkv, d)
+        qkv = self.wqkv.forward(attn_in).view(b, t, self.nq + 2 * self.nkv, self.head_dim)
+        return self.mlp(self.wo.plus(self.attend(qkv, rope, kv, row_idx, slots, mask, bias), x))
+
+    def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor,
+               row_idx: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """Attention of this block's projections qkv [B, T, nq + 2*nkv, D] over its rows' cache window
+        (this block's K/V written into kv at `slots` first) -> [B, T, nq*D]."""
+        nq, nkv = self.nq, self.nkv
         if self.q_norm is not None:
             qkv[:, :, :nq] = self.q_norm.forward(qkv[:, :, :nq])
             qkv[:, :, nq: nq + nkv] = self.k_norm.forward(qkv[:, :, nq: nq + nkv])
@@ -191,8 +223,10 @@ class DecoderLayer(nn.Module):
         # K and V of this block go after each row's prefix: they lie side by side in qkv, so one write
         # stores both.
         kv[:, row_idx, :, slots] = qkv[:, :, nq:].unflatten(2, (2, nkv)).to(kv.dtype)
-        o = attention(qkv[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
-        x = self.wo.plus(o, x)
+        return attention(qkv[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP with its residual, on x after attention."""
         gate, up = self.w13.forward(self.ln2.forward(x)).chunk(2, dim=-1)
         return self.w2.plus(F.silu(gate) * up, x)
 
@@ -250,55 +284,6 @@ def attention_dtype(device_type: str, dtype: torch.dtype, kv_dtype: torch.dtype,
 def mirrored_norm(device_type: str, dtype: torch.dtype) -> bool:
     """RMSNorm as one layer_norm kernel over [x, -x]: on CPU in bf16/fp16 only."""
     return device_type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-
-
-def pass_mask(lens: torch.Tensor, visible: torch.Tensor, window: int) -> torch.Tensor:
-    """The attention mask [B, 1, T, L] of a pass whose S block entries start at each row's `lens` [B]:
-    every entry before them is seen, entries past the block are not, and `visible` [T, S] or [B, T, S]
-    says which block entries each of the pass's T tokens sees (S = T when the block is the pass itself)."""
-    b, (t, span) = lens.shape[0], visible.shape[-2:]
-    rel = torch.arange(window, device=lens.device)[None, :] - lens[:, None]  # [B, L]
-    in_block = (rel >= 0) & (rel < span)
-    vis = visible if visible.dim() == 3 else visible.expand(b, t, span)
-    block_part = torch.gather(vis, 2, rel.clamp(0, span - 1)[:, None, :].expand(b, t, window))
-    return ((rel < 0)[:, None, :] | (in_block[:, None, :] & block_part))[:, None]
-
-
-def short_block_bias(mask: torch.Tensor, kvh: int, g: int, dtype: torch.dtype) -> torch.Tensor:
-    """The pass mask [B, 1, T, L] as the additive [B*KV, G*T, L] term of `attention`'s score matmul for
-    `kvh` KV heads of `g` query heads each, built once per pass for all layers."""
-    b, _, t, window = mask.shape
-    bias = torch.zeros(b, 1, 1, t, window, dtype=dtype, device=mask.device)
-    bias.masked_fill_(~mask[:, :, None], float("-inf"))
-    return bias.expand(b, kvh, g, t, window).reshape(b * kvh, g * t, window)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               bias: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [B, T, H, D] over the cache window k/v [B, KV, L, D] -> [B, T, H*D], in q's dtype.
-
-    `bias` (from `short_block_bias`, in the dtype to attend in) selects the matmul path; without it `mask`
-    (None: everything visible) goes to the fused kernel.
-
-    For the short blocks of decoding (a few tokens per row, or candidate trees), batched matmuls with the
-    query heads of each KV group stacked, the scale and the mask folded into the first (`bias`), beat the
-    fused CPU kernel several times over. Long prompt chunks go to scaled_dot_product_attention, which does
-    not materialise the [T, L] scores, and so does a single unmasked query (its fused path is fastest).
-    """
-    b, t, h, d = q.shape
-    kvh, window = k.shape[1], k.shape[2]
-    g = h // kvh
-    if bias is None:
-        o = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask, scale=scale,
-                                           enable_gqa=g > 1)
-        return o.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)
-    dtype = q.dtype
-    q, k, v = q.to(bias.dtype), k.to(bias.dtype), v.to(bias.dtype)
-    q = q.reshape(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b * kvh, g * t, d)
-    scores = torch.baddbmm(bias, q, k.reshape(b * kvh, window, d).transpose(1, 2), alpha=scale)
-    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-    o = torch.bmm(p, v.reshape(b * kvh, window, d)).view(b, kvh, g, t, d)
-    return o.permute(0, 3, 1, 2, 4).reshape(b, t, h * d).to(dtype)
 
 
 def _fuse(*linears: nn.Linear) -> nn.Linear:

@@ -10,6 +10,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
+from typing import Callable, TypeVar
 
 from medusa.decoding.batch import Batch
 from medusa.decoding.engine import Engine
@@ -22,6 +23,7 @@ from medusa.serve.request import Overloaded, Request
 log = logging.getLogger("medusa.serve.scheduler")
 DRAIN_WINDOW_S = 30.0  # completions over this window give the drain rate behind Retry-After
 RETRY_AFTER_MAX_S = 120
+T = TypeVar("T")
 
 
 class Admission:
@@ -38,6 +40,7 @@ class Admission:
     max_queue: int
     queue_timeout_s: float
     budget: PrefillBudget
+    chunked_prefill: bool  # False: a prompt longer than the budget is prefilled whole, alone
     prefilling: Request | None  # the request whose prompt is being prefilled in chunks
     completions: deque[float]  # monotonic times rows were freed
 
@@ -107,8 +110,8 @@ class Admission:
                 break
             chosen.append(self.queue.popleft())
             longest = nxt
-        if not chosen and self.queue and free > 0:
-            return [], self.queue.popleft()
+        if not chosen and self.queue and free > 0:  # longer than the budget: in chunks, or whole if not chunking
+            return ([], self.queue.popleft()) if self.chunked_prefill else ([self.queue.popleft()], None)
         return chosen, None
 
     def _expire_queued(self) -> None:
@@ -141,7 +144,6 @@ class Admission:
 
     def _prefill(self, reqs: list[Request]) -> None:
         """Add requests to the batch; when that fails, add them one at a time so only the culprit fails."""
-        start = time.perf_counter()
         try:
             out = self._add(reqs)
         except Exception as exc:
@@ -153,7 +155,6 @@ class Admission:
             for r in reqs:
                 self._prefill([r])
             return
-        self.budget.observe_prefill(len(reqs) * max(len(r.prompt) for r in reqs), time.perf_counter() - start)
         self.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in reqs))
         self._deliver(out)
 
@@ -175,28 +176,31 @@ class Admission:
         self.prefilling = req
 
     def _advance(self, tokens: int) -> None:
-        """The next chunk of the prompt being prefilled; after its last one the request runs."""
+        """The next chunk of the prompt being prefilled, in a pass of its own (no row is decoding); a
+        failure refuses that request alone."""
         req = self.prefilling
-        left = self.batch.pending.left
-        start = time.perf_counter()
         try:
-            if tokens >= left:  # the last chunk: the request runs, and gets its first token
-                self.running[req.id] = req
-            with self._undone_on_failure([req]):
-                out = self.engine.advance(self.batch, tokens)
+            self._chunked(lambda: self.engine.advance(self.batch, tokens), tokens)
         except Exception as exc:
-            self.engine.abandon(self.batch)
-            self.prefilling = None
+            if self.prefilling is req:
+                self.engine.abandon(self.batch)
+                self.prefilling = None
             self._refuse(req, exc)
-            return
-        used = min(tokens, left)
-        self.budget.observe_prefill(used, time.perf_counter() - start)
-        self.metrics.prompt_tokens.inc(used)
+
+    def _chunked(self, run: Callable[[], T], tokens: int) -> T:
+        """Run what prefills the next at most `tokens` tokens of the chunked prompt (a pass of its own, or a
+        decode step carrying them); once the prompt is all in, the request runs and gets its first token."""
+        req, left = self.prefilling, self.batch.pending.left
+        out = run()
+        self.metrics.prompt_tokens.inc(min(tokens, left))
         self.metrics.prefill_chunks.inc()
-        if out is None:
-            return
-        self.prefilling = None
-        self._deliver(out)
+        if self.batch.pending is not None and self.batch.pending.left == 0:
+            self.running[req.id] = req
+            with self._undone_on_failure([req]):
+                joined = self.engine.join(self.batch)
+            self.prefilling = None
+            self._deliver(joined)
+        return out
 
     @contextmanager
     def _undone_on_failure(self, reqs: list[Request]):

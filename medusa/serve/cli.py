@@ -36,6 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "a prefill pass takes at most --prefill-stall x a decode pass; long prompts go in chunks)")
     p.add_argument("--prefill-stall", type=float, default=None, metavar="X",
                    help="auto prefill: a prefill pass may take X times the running rows' decode pass (default 1)")
+    p.add_argument("--chunked-prefill", default=None, choices=["on", "off"],
+                   help="prefill prompts longer than the budget in chunks between steps (default on)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: "
                    "$MEDUSA_API_KEY if set); /health and /metrics stay open")
     p.add_argument("--header-timeout", dest="header_timeout_s", type=float, default=None, metavar="S",
@@ -54,9 +56,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     keys = ("model", "heads", "draft", "datastore", "dtype", "device", "threads", "host", "port", "docs", "served_model_name",
-            "max_context", "max_batch", "api_key", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s")
+            "max_context", "max_batch", "api_key", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s",
+            "prefill_tokens_per_step", "prefill_stall")
     overrides = {k: getattr(args, k) for k in keys}
     overrides["retrieval"] = None if args.retrieval is None else args.retrieval == "on"
+    overrides["chunked_prefill"] = None if args.chunked_prefill is None else args.chunked_prefill == "on"
     cfg = load_config(args.config, overrides)
     if args.policy or args.cost_model:
         policy = cfg.policy.model_dump()

@@ -86,6 +86,7 @@ class ServeConfig(BaseModel):
     # budget of N tokens per step, shared with the decode pass's tokens.
     prefill_tokens_per_step: int | Literal["auto"] = "auto"
     prefill_stall: float = Field(1.0, gt=0, le=100)
+    chunked_prefill: bool = True  # false: a prompt longer than the budget is prefilled whole, stalling the rest
     # Largest request body accepted (bytes); larger ones get 413 before they are read. 1 MiB holds any
     # prompt that fits a 2048-token context many times over.
     max_body_bytes: int = Field(1 << 20, ge=1024)

@@ -1,18 +1,20 @@
 """How many prompt tokens the scheduler prefills at a step boundary, so that long prompts never stall the
 streams already running.
 
-Each step boundary runs one decode pass over the running rows (n rows x the tokens of their tree) and, beside
-it, one prefill pass: whole short prompts, or the next chunk of a long one. The two share one budget:
+A long prompt is prefilled in chunks. While rows are decoding, each chunk rides in their decode pass
+(`Engine.step(..., prefill=N)`: the weights are read once for both), and the chunk is sized so that the pass
+takes at most (1 + stall) times a decode pass alone:
 
-    decoding rows:  prefill pass time <= stall x decode pass time, at least MIN_CHUNK tokens
-    no row decoding: MAX_CHUNK tokens (nothing to stall; a request that arrives waits for one chunk at most)
+    decoding rows:   N = stall x (decode pass time) / (time per extra prompt token in the pass), >= MIN_CHUNK
+    no row decoding: N = MAX_CHUNK (nothing to stall; a request that arrives waits for one chunk at most)
 
 so a running stream's inter-token latency stays within (1 + stall) x its own while prompts are prefilled,
-and a prompt of any length advances every step. The prefill pass's time per token comes from the
-calibrated curve of this machine (`medusa calibrate`) where one is cached, and follows the chunks actually
-measured after that (a running mean), as does the decode pass's time: under load both slow down alike.
+and a prompt of any length advances every step. Both times start from this machine's calibrated curve
+(`medusa calibrate`) where one is cached, and follow the passes actually measured (running means): under
+load they slow down alike. A chunk's measured time per token includes what carrying a chunk at all costs
+(a second attention per layer), so the running mean settles where the pass takes (1 + stall) x its own. Short prompts that fit the same budget are prefilled whole.
 
-A fixed budget (`prefill_tokens_per_step: N`) instead gives the prefill pass N tokens less the decode pass's
+A fixed budget (`prefill_tokens_per_step: N`) instead gives the prompt N tokens less the decode pass's
 tokens (at least MIN_CHUNK), and N when no row decodes.
 """
 
@@ -22,15 +24,15 @@ from typing import Callable
 
 MIN_CHUNK = 16  # tokens: a long prompt always advances
 MAX_CHUNK = 512  # tokens of one prefill pass when no row decodes (auto)
-SMOOTHING = 0.3  # weight of the newest measurement in the running means
+SMOOTHING = 0.5  # weight of the newest measurement in the running means
 
 
 class PrefillBudget:
-    """`tokens(rows, width)`: prompt tokens for the prefill pass at this step boundary, when `rows` rows
-    decode `width` tokens each in the decode pass; `observe_*` hear how the passes went.
+    """`tokens(rows, width)`: prompt tokens to prefill at this step boundary, when `rows` rows decode `width`
+    tokens each; `observe` hears how each decode step went and how many prompt tokens it carried.
 
     tokens_per_step: "auto" (time-based, above) or a fixed token budget shared with the decode pass.
-    stall:           auto: the prefill pass may take this times the decode pass's time.
+    stall:           auto: the prompt tokens may add this times the decode pass's time to it.
     curve:           ms of a pass over (rows, tokens) from this machine's calibration, or None.
     """
 
@@ -39,9 +41,9 @@ class PrefillBudget:
         self.fixed = None if tokens_per_step == "auto" else int(tokens_per_step)
         self.stall = stall
         self.curve = curve
-        self.decode_ms: float | None = None  # the last decode passes' time (running mean)
-        self.token_ms: float | None = None  # a prefill pass's time per prompt token (running mean)
-        if curve is not None:
+        self.decode_ms: float | None = None  # a decode pass without prompt tokens (running mean)
+        self.token_ms: float | None = None  # what each prompt token adds to a pass (running mean)
+        if curve is not None:  # a 64-token pass's time per token: carrying a chunk costs more than its tokens
             self.token_ms = curve(1, 64) / 64
 
     def tokens(self, rows: int, width: int) -> int:
@@ -53,16 +55,18 @@ class PrefillBudget:
         decode_ms = self.decode_ms
         if decode_ms is None and self.curve is not None:
             decode_ms = self.curve(rows, width)
-        if decode_ms is None or self.token_ms is None:  # nothing measured yet: as many tokens as the decode pass
+        if decode_ms is None or self.token_ms is None:  # nothing measured: as many tokens as the decode pass
             return min(max(decode_tokens, MIN_CHUNK), MAX_CHUNK)
         return min(max(int(self.stall * decode_ms / self.token_ms), MIN_CHUNK), MAX_CHUNK)
 
-    def observe_decode(self, seconds: float) -> None:
-        self.decode_ms = _mean(self.decode_ms, 1000 * seconds)
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens >= MIN_CHUNK:  # tiny passes are all fixed cost: they would overstate the per-token time
-            self.token_ms = _mean(self.token_ms, 1000 * seconds / tokens)
+    def observe(self, seconds: float, prompt_tokens: int = 0) -> None:
+        """A decode step took `seconds`, carrying `prompt_tokens` of a chunked prompt."""
+        ms = 1000 * seconds
+        if not prompt_tokens:
+            self.decode_ms = _mean(self.decode_ms, ms)
+        elif self.decode_ms is not None and prompt_tokens >= MIN_CHUNK:
+            # What the chunk added (at least a twentieth of the pass: noise must not make tokens free).
+            self.token_ms = _mean(self.token_ms, max(ms - self.decode_ms, ms / 20) / prompt_tokens)
 
 
 def _mean(old: float | None, new: float) -> float:

@@ -45,13 +45,14 @@ class Scheduler(Admission):
     def __init__(self, engine: Engine, tokenizer: Any, policy: SpeculationPolicy,
                  proposer_for: Callable[[Decision], Any], metrics: Metrics, *, max_batch: int,
                  max_context: int, max_queue: int, queue_timeout_s: float, budget: PrefillBudget,
-                 max_proposal_tokens: int, attach: Callable[[Batch], None] | None = None):
+                 max_proposal_tokens: int, attach: Callable[[Batch], None] | None = None,
+                 chunked_prefill: bool = True):
         self.engine, self.tokenizer, self.policy = engine, tokenizer, policy
         self.proposer_for, self.metrics = proposer_for, metrics
         self.attach = attach  # sets up a new batch's per-row proposer state before anything is prefilled
         self.max_batch, self.max_context = max_batch, max_context
         self.max_queue, self.queue_timeout_s = max_queue, queue_timeout_s
-        self.budget = budget
+        self.budget, self.chunked_prefill = budget, chunked_prefill
         self.width = 1  # tokens per row of the last decode pass (its tree's size)
         # Room past the longest request for the candidate block of one verification pass.
         self.capacity = cache_capacity(max_context, 1, max_proposal_tokens)
@@ -112,21 +113,23 @@ class Scheduler(Admission):
                 self._prefill(admitted)
             if chunked is not None:
                 self._begin(chunked)
-            if self.prefilling is not None:
+            if self.prefilling is not None and not self.batch.n:
                 self._advance(tokens)
-            if self.batch.n:
-                self._decode()
+            if self.batch.n:  # a prompt being prefilled rides in the decode pass
+                self._decode(tokens if self.prefilling is not None else 0)
         except Exception as exc:  # the engine itself failed: fail the batch, say so, keep serving
             self._engine_fault(exc)
         self._update_gauges()
 
-    def _decode(self) -> None:
+    def _decode(self, prefill: int = 0) -> None:
+        """One decode step over the running rows, carrying `prefill` tokens of the chunked prompt."""
         decision, proposer = self._choose()
         n = self.batch.n
         start = time.perf_counter()
-        out, decision, proposer = self._step(decision, proposer)
+        run = lambda: self._step(decision, proposer, prefill)  # noqa: E731
+        out, decision, proposer = self._chunked(run, prefill) if prefill else run()
         seconds = time.perf_counter() - start
-        self.budget.observe_decode(seconds)
+        self.budget.observe(seconds, prefill)
         self.width = proposer.tree.size if proposer is not None else 1
         if self.fault is not None:
             self._recovered("a decode step succeeded")
@@ -143,17 +146,17 @@ class Scheduler(Admission):
             decision = Decision("plain", None, f"{decision.mode} unavailable")
         return decision, proposer
 
-    def _step(self, decision: Decision, proposer: Any) -> tuple[StepOutput, Decision, Any]:
+    def _step(self, decision: Decision, proposer: Any, prefill: int = 0) -> tuple[StepOutput, Decision, Any]:
         """One engine step; a proposer that raised before the step committed anything is dropped and the
         step redone plainly (lossless)."""
         steps0 = self.batch.stats.steps
         try:
-            return self.engine.step(self.batch, proposer), decision, proposer
+            return self.engine.step(self.batch, proposer, prefill), decision, proposer
         except Exception as exc:
             if proposer is None or self.batch.stats.steps != steps0:
                 raise
             decision, proposer = self._without_proposer(decision, exc)
-            return self.engine.step(self.batch, None), decision, proposer
+            return self.engine.step(self.batch, None, prefill), decision, proposer
 
     def _without_proposer(self, decision: Decision, exc: Exception) -> tuple[Decision, None]:
         self.proposer_failures += 1

@@ -49,7 +49,7 @@ class Server:
             max_batch=cfg.max_batch, max_context=cfg.max_context, max_queue=cfg.max_queue,
             queue_timeout_s=cfg.queue_timeout_s,
             budget=PrefillBudget(cfg.prefill_tokens_per_step, cfg.prefill_stall, cached_curve(rt)),
-            max_proposal_tokens=max(sizes, default=1), attach=self.attach)
+            max_proposal_tokens=max(sizes, default=1), attach=self.attach, chunked_prefill=cfg.chunked_prefill)
 
     def attach(self, batch: Any) -> None:
         """Per-row proposer state a new batch needs before its first prefill (feature heads keep the

@@ -1,0 +1,56 @@
+"""Attention over a ragged KV cache: the pass mask (cache prefix plus the pass's own block) and the two
+attention paths (batched matmuls for short blocks, the fused kernel for long ones)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def pass_mask(lens: torch.Tensor, visible: torch.Tensor, window: int) -> torch.Tensor:
+    """The attention mask [B, 1, T, L] of a pass whose S block entries start at each row's `lens` [B]:
+    every entry before them is seen, entries past the block are not, and `visible` [T, S] or [B, T, S]
+    says which block entries each of the pass's T tokens sees (S = T when the block is the pass itself)."""
+    b, (t, span) = lens.shape[0], visible.shape[-2:]
+    rel = torch.arange(window, device=lens.device)[None, :] - lens[:, None]  # [B, L]
+    in_block = (rel >= 0) & (rel < span)
+    vis = visible if visible.dim() == 3 else visible.expand(b, t, span)
+    block_part = torch.gather(vis, 2, rel.clamp(0, span - 1)[:, None, :].expand(b, t, window))
+    return ((rel < 0)[:, None, :] | (in_block[:, None, :] & block_part))[:, None]
+
+
+def short_block_bias(mask: torch.Tensor, kvh: int, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """The pass mask [B, 1, T, L] as the additive [B*KV, G*T, L] term of `attention`'s score matmul for
+    `kvh` KV heads of `g` query heads each, built once per pass for all layers."""
+    b, _, t, window = mask.shape
+    bias = torch.zeros(b, 1, 1, t, window, dtype=dtype, device=mask.device)
+    bias.masked_fill_(~mask[:, :, None], float("-inf"))
+    return bias.expand(b, kvh, g, t, window).reshape(b * kvh, g * t, window)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [B, T, H, D] over the cache window k/v [B, KV, L, D] -> [B, T, H*D], in q's dtype.
+
+    `bias` (from `short_block_bias`, in the dtype to attend in) selects the matmul path; without it `mask`
+    (None: everything visible) goes to the fused kernel.
+
+    For the short blocks of decoding (a few tokens per row, or candidate trees), batched matmuls with the
+    query heads of each KV group stacked, the scale and the mask folded into the first (`bias`), beat the
+    fused CPU kernel several times over. Long prompt chunks go to scaled_dot_product_attention, which does
+    not materialise the [T, L] scores, and so does a single unmasked query (its fused path is fastest).
+    """
+    b, t, h, d = q.shape
+    kvh, window = k.shape[1], k.shape[2]
+    g = h // kvh
+    if bias is None:
+        o = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=g > 1)
+        return o.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)
+    dtype = q.dtype
+    q, k, v = q.to(bias.dtype), k.to(bias.dtype), v.to(bias.dtype)
+    q = q.reshape(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b * kvh, g * t, d)
+    scores = torch.baddbmm(bias, q, k.reshape(b * kvh, window, d).transpose(1, 2), alpha=scale)
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    o = torch.bmm(p, v.reshape(b * kvh, window, d)).view(b, kvh, g, t, d)
+    return o.permute(0, 3, 1, 2, 4).reshape(b, t, h * d).to(dtype)
