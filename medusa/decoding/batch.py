@@ -3,8 +3,9 @@ way into a batch one chunk at a time.
 
 Rows are slots of one KV cache. The active rows occupy slots [0, n) and every step runs over exactly that
 view; a finished row's slot is filled by moving the last rows down. A prompt being prefilled in chunks
-(`Engine.begin` / `Engine.advance`) sits in the cache's top slot, outside the active view, so the steps of the
-running rows never see it; its last chunk moves it into slot n, where it joins the batch.
+(`Engine.begin`, then chunks carried by `Engine.step` or run by `Engine.advance`) sits in the cache's top
+slot, outside the active view, so the running rows' steps never see it; once all of it is in, `Engine.join`
+moves it into slot n, where it joins the batch.
 """
 
 from __future__ import annotations
