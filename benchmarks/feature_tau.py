@@ -35,7 +35,8 @@ def trained_tokens(head_dir: Path) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     from medusa.decoding.feature_heads import FeatureHead
-    from medusa.decoding.feature_proposer import FeatureProposer, parse_shape
+    from medusa.decoding.dynamic_tree import parse_shape
+    from medusa.decoding.feature_proposer import FeatureProposer
     from medusa.prompts import load_prompts
     from medusa.runtime import Runtime
 

@@ -247,7 +247,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from medusa.decoding.feature_proposer import parse_shape
+    from medusa.decoding.dynamic_tree import parse_shape
 
     args = parse_args(argv)
     acc = acceptance(args.eval_json)

@@ -12,7 +12,7 @@ import sys
 from medusa.errors import MedusaError
 from medusa.runtime.auto import describe_auto
 from medusa.runtime.args import add_model_args, add_sampling_args, sampling_from_args
-from medusa.runtime.proposers import MODES
+from medusa.runtime.proposers import MERGEABLE, SPECS, ProposerSpec
 
 # Subcommands that live elsewhere register themselves through `add_parser(subparsers)`.
 EXTERNAL_COMMANDS = ["medusa.eval.cli", "medusa.runtime.calibrate", "medusa.train.datastore", "medusa.train.cli",
@@ -44,11 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="generate text for one or more prompts (batched)")
     g.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     add_model_args(g)
-    g.add_argument("--mode", default="auto", choices=["auto", *MODES],
+    g.add_argument("--mode", default="auto", metavar="MODE",
                    help="auto (default): speculate where this machine's calibrated pass costs and the heads' "
                         "accuracy predict a gain, and while measured steps confirm it; medusa: the heads always; "
                         "suffix: drafts from the text itself (prompt and output so far) always, no heads needed; "
-                        "medusa+suffix: both in one tree; plain: never")
+                        "medusa+suffix: both in one tree; plain: never; also feature[:DIR], draft[:PATH], "
+                        f"lookup[:K] (all: {SPECS})")
     g.add_argument("--retrieval", default="on", choices=["on", "off"],
                    help="auto mode drafts from the text itself too (merged into feature heads' trees, or alone "
                         "without heads); off: heads alone")
@@ -82,15 +83,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens <= 0:
         raise MedusaError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-    if args.tree is not None and args.mode not in ("medusa", "medusa+suffix"):
-        raise MedusaError("--tree chooses the tree of --mode medusa or medusa+suffix; --mode auto picks its own")
+    mode = None if args.mode == "auto" else ProposerSpec.parse(args.mode)
+    if args.tree is not None and (mode is None or mode.kind not in MERGEABLE):
+        raise MedusaError("--tree chooses the tree of --mode medusa or feature (also with +suffix); --mode auto "
+                          "picks its own")
     sampling = sampling_from_args(args)
-    rt = Runtime.load(args.model, "none" if args.mode in ("plain", "suffix") else args.heads, args.dtype, args.device,
+    own_heads = mode is None or mode.kind in MERGEABLE  # the others draft without the runtime's heads
+    rt = Runtime.load(args.model, args.heads if own_heads else "none", args.dtype, args.device,
                       retrieval=args.retrieval == "on", datastore=args.datastore)
     prompts = rt.encode(args.prompt, raw=args.raw)
-    auto = rt.auto(len(prompts)) if args.mode == "auto" else None
-    proposer = rt.proposer(args.mode, args.tree) if args.mode != "auto" else None
-    if args.mode == "auto":
+    auto = rt.auto(len(prompts)) if mode is None else None
+    proposer = rt.proposer(mode, args.tree) if mode is not None else None
+    if mode is None:
         print(describe_auto(rt, auto, len(prompts)), file=sys.stderr)
     gen = rt.engine.generate(prompts, args.max_new_tokens, proposer, sampling, policy=auto)
     stats = {"mode": gen.mode, "dtype": rt.dtype.name, "acceptance": sampling.acceptance if not sampling.greedy else "greedy",
@@ -101,7 +105,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stats["tree"] = proposer.tree.name
     if proposer is not None or auto is not None:
         stats["acceptance_by_head"] = [round(a, 4) for a in gen.stats.acceptance_by_head()]
-    if args.mode == "auto":
+    if mode is None:
         stats["auto"] = {"machine": rt.machine.to_dict(),
                          "plan": auto.plan(len(prompts)).to_dict() if auto is not None else None,
                          "steps": auto.steps if auto is not None else {"plain": gen.stats.steps},

@@ -11,7 +11,8 @@ from conftest import random_heads, tiny_model
 from medusa.decoding.draft import DraftProposer
 from medusa.decoding.engine import Engine
 from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
-from medusa.decoding.feature_proposer import FeatureProposer, TreeShape
+from medusa.decoding.dynamic_tree import TreeShape
+from medusa.decoding.feature_proposer import FeatureProposer
 from medusa.decoding.lookup import LookupProposer
 from medusa.decoding.proposers import MedusaProposer
 from medusa.decoding.retrieval import MergedProposer, Retriever

@@ -13,7 +13,8 @@ from conftest import hf_greedy, mixed_prompts, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
 from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig, read_kind
-from medusa.decoding.feature_proposer import FeatureProposer, TreeShape
+from medusa.decoding.dynamic_tree import TreeShape
+from medusa.decoding.feature_proposer import FeatureProposer
 from medusa.decoding.sampling import SamplingParams
 from medusa.decoding.transformer import Transformer
 
@@ -358,7 +359,14 @@ def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path):
     done = run_feature_training(_feature_config(root, model_dir, data, run), progress=False)
     assert done["step"] == 18 and done["trained_tokens"] > first["trained_tokens"]
     report = json.loads((run / "head" / "eval.json").read_text())
-    assert len(report["rank_accuracy"]) == 2 and report["examples"] == 4  # 2 held out of each chunk
+    # Measured at eval_steps (6) draft steps, deeper than the 2 it trained: auto mode plans depth from them.
+    assert len(report["rank_accuracy"]) == 6 and report["examples"] == 4  # 2 held out of each chunk
+    from medusa.train.feature import evaluate_saved
+
+    again = evaluate_saved(_feature_config(root, model_dir, data, run, eval_steps=3), run / "head")
+    kept = json.loads((run / "head" / "eval.json").read_text())
+    assert kept == again and len(kept["rank_accuracy"]) == 3 and kept["step"] == 18
+    assert torch.allclose(torch.tensor(kept["rank_accuracy"][:2]), torch.tensor(report["rank_accuracy"][:2]))
     hist = torch.load(run / "checkpoints" / "step-00000018" / "trainer_state.pt", weights_only=False)["history"]
     assert hist[-1]["loss"] < hist[0]["loss"]
     # The head loads and decodes losslessly on the model it was trained for.
@@ -511,7 +519,7 @@ def test_fused_eagle3_training_runs_and_decodes(tiny_run, tmp_path):
     cfg = _feature_config(root, model_dir, data, run, max_steps=3,
                           head={"style": "eagle3", "feature_layers": [1], "draft_vocab": 40})
     result = run_feature_training(cfg, progress=False)
-    assert result["step"] == 3 and len(result["eval"]["rank_accuracy"]) == 2
+    assert result["step"] == 3 and len(result["eval"]["rank_accuracy"]) == 6
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     head = FeatureHead.load(run / "head", model)
     assert head.config.feature_layers == [1] and head.fc.weight.shape == (64, 64)

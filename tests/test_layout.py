@@ -9,6 +9,7 @@ still a dependency.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,36 @@ def test_the_checks_see_a_violation(tmp_path: Path):
                      "self.ok = lambda: 1\n")
     assert duck_typing(probe) == ["line 1: hasattr(p, ...)", "line 2: getattr(p, ...)"]
     assert patched_behaviour(probe) == ["line 4: auto.attach = ..."]
+
+
+def mode_tuples(path: Path) -> list[tuple[str, list[str]]]:
+    """Module-level tuples of string literals, named as lists of modes, that name at least one proposer kind:
+    (name, elements). (Heads names such as `--heads default|medusa|feature` are another vocabulary.)"""
+    from medusa.runtime.proposers import KINDS
+
+    found = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+            items = [e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            name = ast.unparse(node.targets[0])
+            if (len(items) == len(node.value.elts) and set(items) & set(KINDS)
+                    and re.search("MODE|SPECULATIVE|RECOMMEND|OURS|METHOD", name)):
+                found.append((name, items))
+    return found
+
+
+@pytest.mark.parametrize("path", package_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_one_vocabulary_of_mode_names(path: Path):
+    """Wherever modes are listed (CLI, evaluator, server policy, cost model), the names are those of
+    medusa.runtime.proposers: no entry point spells a mode its own way."""
+    from medusa.runtime.proposers import MODES
+
+    for name, items in mode_tuples(path):
+        strange = sorted(set(items) - set(MODES))
+        assert not strange, f"{path.relative_to(ROOT)}: {name} names modes outside the vocabulary: {strange}"
+
+
+def test_the_vocabulary_check_sees_a_stray_name(tmp_path: Path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('MODES = ("medusa", "speculative", "plain")\nOTHER = ("hf", "x")\nHEADS = ("default", "medusa")\n')
+    assert mode_tuples(probe) == [("MODES", ["medusa", "speculative", "plain"])]

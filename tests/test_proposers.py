@@ -5,17 +5,17 @@ import torch
 
 from conftest import mixed_prompts, tiny_model
 from medusa.decoding.draft import DraftModel, DraftProposer
-from medusa.decoding.dynamic_tree import MedusaDynamicProposer
+from medusa.decoding.dynamic_tree import MedusaDynamicProposer, TreeShape
 from medusa.decoding.engine import Engine
 from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
-from medusa.decoding.feature_proposer import FeatureProposer, TreeShape
+from medusa.decoding.feature_proposer import FeatureProposer
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
 from medusa.decoding.lookup import LookupProposer
 from medusa.decoding.proposers import MedusaProposer
 from medusa.decoding.transformer import Transformer
 from medusa.errors import MedusaError
 from medusa.runtime import Runtime
-from medusa.runtime.proposers import build_proposer
+from medusa.runtime.proposers import MODES, ProposerSpec, build_proposer
 
 
 def tiny_runtime(heads: bool = True) -> Runtime:
@@ -78,6 +78,26 @@ def test_built_proposers_decode_like_plain(rt, feature_dir):
                        (f"feature:{feature_dir}", "dynamic-6x3")]:
         gen = rt.engine.generate(prompts, 10, build_proposer(rt, spec, tree))
         assert [o.tokens for o in gen.outputs] == [o.tokens for o in plain.outputs], spec
+
+
+@pytest.mark.parametrize("text, kind, arg, retrieval", [
+    ("plain", "plain", None, False), ("medusa+suffix", "medusa", None, True), ("feature:/a/b+suffix", "feature", "/a/b", True),
+    ("draft:layers:2", "draft", "layers:2", False), ("lookup:5", "lookup", "5", False), ("suffix", "suffix", None, False),
+])
+def test_specs_parse_once_and_print_back(text, kind, arg, retrieval):
+    spec = ProposerSpec.parse(text)
+    assert (spec.kind, spec.arg, spec.retrieval) == (kind, arg, retrieval)
+    assert str(spec) == text and ProposerSpec.parse(spec) is spec and spec.mode in MODES
+
+
+@pytest.mark.parametrize("text, match", [
+    ("suffix+suffix", "retrieval merges into dynamic trees"), ("draft+suffix", "retrieval merges"),
+    ("lookup:", "nothing after ':'"), ("suffix:x", "suffix:N with an integer N"), ("auto", "unknown proposer 'auto'"),
+])
+def test_bad_spec_text_names_the_flag(text, match):
+    with pytest.raises(MedusaError, match=match) as err:
+        ProposerSpec.parse(text, key="methods[0].method")
+    assert str(err.value).startswith("methods[0].method: ")
 
 
 @pytest.mark.parametrize("spec, tree, match", [

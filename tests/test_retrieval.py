@@ -10,7 +10,8 @@ from conftest import mixed_prompts, random_heads, tiny_model
 from medusa.decoding.dynamic_tree import NEG, MedusaDynamicProposer, Pool
 from medusa.decoding.engine import Engine
 from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
-from medusa.decoding.feature_proposer import FeatureProposer, TreeShape
+from medusa.decoding.dynamic_tree import TreeShape
+from medusa.decoding.feature_proposer import FeatureProposer
 from medusa.decoding.retrieval import (ACCEPT, MATCH_BUCKETS, Chains, MergedProposer, Retriever, SuffixProposer,
                                        graft, match_bucket, token_scores)
 from medusa.decoding.sampling import SamplingParams

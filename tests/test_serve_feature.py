@@ -67,14 +67,14 @@ def test_trees_for_each_kind_of_head(feature_rt, rt):
     dynamic trees by name beside static ones."""
     server = create_app(ServeConfig(dtype="fp32", policy={"mode": "medusa", "calibrate": False}),
                         feature_rt).state.server
-    assert list(server.medusa) == ["dynamic-16x5x4"]
+    assert list(server.policy.medusa) == ["dynamic-16x5x4"]
     with pytest.raises(MedusaError, match="policy.trees: feature heads grow dynamic trees"):
         create_app(ServeConfig(dtype="fp32", policy={"trees": {1: "tree-8"}, "calibrate": False}),
                    feature_rt)
     server = create_app(ServeConfig(dtype="fp32", policy={"trees": {1: "tree-8", 4: "dynamic-8x3"},
                                                                 "calibrate": False}), rt).state.server
-    assert sorted(server.medusa) == ["dynamic-8x3", "tree-8"]
-    assert server.medusa["dynamic-8x3"].owns_step and not server.medusa["tree-8"].owns_step
+    assert sorted(server.policy.medusa) == ["dynamic-8x3", "tree-8"]
+    assert server.policy.medusa["dynamic-8x3"].owns_step and not server.policy.medusa["tree-8"].owns_step
     with pytest.raises(MedusaError, match="policy.trees"):
         create_app(ServeConfig(dtype="fp32", policy={"trees": {1: "dynamic-99x2"}, "calibrate": False}), rt)
 
@@ -94,7 +94,7 @@ def test_retrieval_alone_without_heads(tokenizer):
     every greedy stream equal to its prompt decoded alone; a heads' tree name is refused, naming the key."""
     bare = tiny_runtime(tokenizer, seed=4, heads=False)
     server = create_app(ServeConfig(dtype="fp32", policy={"mode": "medusa"}), bare).state.server
-    assert list(server.medusa) == ["suffix-16"]
+    assert list(server.policy.medusa) == ["suffix-16"]
     with serve(bare, policy={"mode": "medusa", "trees": {1: "suffix-8"}}, max_queue=64) as url:
         check_concurrent_streams(url, bare, tokenizer, 8)
         steps = _metric(httpx.get(url + "/metrics", timeout=10).text, 'medusa_steps_total{mode="medusa"}')

@@ -162,7 +162,7 @@ def test_huge_seed_over_http_is_a_400_and_running_streams_finish(rt, tokenizer, 
 def test_proposer_failure_redoes_the_step_without_speculation(rt, tokenizer, solo):
     app = app_for(rt, policy={"mode": "medusa", "trees": {1: "tree-8"}})
     server = app.state.server
-    good = server.medusa["tree-8"]
+    good = server.policy.medusa["tree-8"]
 
     class Broken(Proposer):
         name, tree = "broken", good.tree
@@ -170,7 +170,7 @@ def test_proposer_failure_redoes_the_step_without_speculation(rt, tokenizer, sol
         def propose(self, batch):
             raise RuntimeError("proposer exploded")
 
-    server.medusa["tree-8"] = Broken()
+    server.policy.medusa["tree-8"] = Broken()
     with running_server(app) as url:
         got = [httpx.post(url + "/v1/completions", json={"model": "default", "prompt": p, "max_tokens": MAX_TOKENS},
                           timeout=60) for p in PROMPTS[:2]]
@@ -186,7 +186,7 @@ def test_proposer_failure_redoes_the_step_without_speculation(rt, tokenizer, sol
 
 
 class BreakableEngine:
-    """The real engine, except that `step` and `generate` raise while `broken` is set."""
+    """The real engine, except that its steps (`step`, `policy_step`) and `generate` raise while `broken` is set."""
 
     def __init__(self, engine):
         self.engine, self.broken = engine, False
@@ -198,6 +198,11 @@ class BreakableEngine:
         if self.broken:
             raise RuntimeError("CUDA error: secret device state")
         return self.engine.step(*args, **kwargs)
+
+    def policy_step(self, *args, **kwargs):
+        if self.broken:
+            raise RuntimeError("CUDA error: secret device state")
+        return self.engine.policy_step(*args, **kwargs)
 
     def generate(self, *args, **kwargs):
         if self.broken:

@@ -8,9 +8,7 @@ import pytest
 
 from medusa.errors import MedusaError
 from medusa.serve.config import PolicyConfig, load_config
-from medusa.serve.policy import Decision, SpeculationPolicy
-
-PLAIN = Decision("plain", None, "test")
+from medusa.serve.policy import SpeculationPolicy
 
 
 def policy(has_medusa: bool = True, has_draft: bool = False, warm: bool = True, **kw) -> SpeculationPolicy:
@@ -18,7 +16,7 @@ def policy(has_medusa: bool = True, has_draft: bool = False, warm: bool = True, 
     p = SpeculationPolicy(PolicyConfig(**kw), has_medusa, has_draft)
     if warm:
         for n in (1, 2, 4, 8, 16, 32, 64, 128):
-            p.observe(PLAIN, n, 1.0, 0.01)
+            p.observe(n, False, 1.0, 0.01)
     return p
 
 
@@ -61,12 +59,12 @@ def test_acceptance_gate_pauses_and_retries_with_backoff():
     for _ in range(4):
         d = p.decide(1, 0)
         assert d.mode == "medusa"
-        p.observe(d, 1, 1.1, 0.01)  # poor acceptance
+        p.observe(1, d.mode != "plain", 1.1, 0.01)  # poor acceptance
     assert modes(p, [1] * 9) == ["plain"] * 9
     for _ in range(4):  # retried after the pause, still poor
         d = p.decide(1, 0)
         assert d.mode == "medusa"
-        p.observe(d, 1, 1.2, 0.01)
+        p.observe(1, d.mode != "plain", 1.2, 0.01)
     # Second failure in a row: the pause doubles.
     assert modes(p, [1] * 19) == ["plain"] * 19
     assert p.decide(1, 0).mode == "medusa"
@@ -76,33 +74,33 @@ def test_gate_waits_for_evidence_at_batch_size_one():
     """One row's tau per step is noisy (often 1, sometimes 3-4): a short run of misses is not proof."""
     p = policy(window=16, min_tau=1.3, retry_after_steps=10)
     for _ in range(4):
-        p.observe(p.decide(1, 0), 1, 1.0, 0.01)
+        p.observe(1, p.decide(1, 0).mode != "plain", 1.0, 0.01)
     assert p.decide(1, 0).mode == "medusa"
     for tau in [1.0, 3.0, 1.0, 2.0, 1.0, 1.0, 4.0, 1.0]:
-        p.observe(p.decide(1, 0), 1, tau, 0.01)
+        p.observe(1, p.decide(1, 0).mode != "plain", tau, 0.01)
     assert p.decide(1, 0).mode == "medusa"
     for _ in range(16):  # a whole window at tau 1: now the evidence is there
         d = p.decide(1, 0)
         if d.mode != "medusa":
             break
-        p.observe(d, 1, 1.0, 0.01)
+        p.observe(1, d.mode != "plain", 1.0, 0.01)
     assert p.decide(1, 0).mode == "plain"
 
 
 def test_one_slow_first_step_does_not_close_the_gate():
     """The first step at a new shape pays kernel set-up; the cost ratio must not carry that for long."""
     p = policy(window=16, min_tau=1.3, retry_after_steps=10)  # plain steps: 10 ms
-    p.observe(p.decide(1, 0), 1, 1.5, 0.300)
+    p.observe(1, p.decide(1, 0).mode != "plain", 1.5, 0.300)
     for i in range(20):
         d = p.decide(1, 0)
         assert d.mode == "medusa", i
-        p.observe(d, 1, 1.5 + (i % 2), 0.012)
+        p.observe(1, d.mode != "plain", 1.5 + (i % 2), 0.012)
 
 
 def test_acceptance_gate_is_per_batch_bucket():
     p = policy(window=4, min_tau=1.5, retry_after_steps=50)
     for _ in range(4):
-        p.observe(p.decide(2, 0), 2, 1.0, 0.01)
+        p.observe(2, p.decide(2, 0).mode != "plain", 1.0, 0.01)
     assert p.decide(2, 0).mode == "plain"
     assert p.decide(1, 0).mode == "medusa"  # a smaller bucket keeps its own record
     assert p.decide(4, 0).mode == "plain"  # a larger one inherits the failure
@@ -114,27 +112,42 @@ def test_gate_uses_the_measured_cost_of_a_speculative_step():
     p = policy(window=4, min_tau=1.3, retry_after_steps=50, warm=False)
     first = p.decide(4, 0)
     assert first.mode == "plain" and "probing" in first.reason  # a new bucket measures plain cost first
-    p.observe(first, 4, 1.0, 0.010)
+    p.observe(4, first.mode != "plain", 1.0, 0.010)
     for _ in range(3):
         d = p.decide(4, 0)
         assert d.mode == "medusa"
-        p.observe(d, 4, 2.0, 0.030)
-    p.observe(p.decide(4, 0), 4, 2.0, 0.030)
+        p.observe(4, d.mode != "plain", 2.0, 0.030)
+    p.observe(4, p.decide(4, 0).mode != "plain", 2.0, 0.030)
     assert p.decide(4, 0).mode == "plain" and p.decide(8, 0).mode == "plain"  # larger buckets too
     assert p.decide(2, 0).mode == "plain"  # bucket 2 not probed yet
     # A cheap speculative step with the same tau keeps speculation on.
     q = policy(window=4, min_tau=1.3, retry_after_steps=50)
     for _ in range(8):
-        q.observe(q.decide(4, 0), 4, 2.0, 0.015)
+        q.observe(4, q.decide(4, 0).mode != "plain", 2.0, 0.015)
     assert q.decide(4, 0).mode == "medusa"
 
 
 def test_fixed_modes_ignore_load_and_acceptance():
     on = policy(mode="medusa", window=1, min_tau=3.0)
     d = on.decide(64, 100)
-    on.observe(d, 64, 1.0, 1.0)
+    on.observe(64, d.mode != "plain", 1.0, 1.0)
     assert d.mode == "medusa" and on.decide(64, 100).mode == "medusa"
     assert policy(mode="plain").decide(1, 0).mode == "plain"
+
+
+def test_the_policy_is_a_step_policy_choosing_its_own_proposers():
+    """`choose` names the decision's proposer (plain when it is missing) and `recover` drops a failing one."""
+    from types import SimpleNamespace
+
+    p = policy(mode="medusa", trees={1: "tree-8", 4: "tree-16"})
+    heads = SimpleNamespace(tree=SimpleNamespace(size=9))
+    p.serve({"tree-8": heads}, None)
+    assert p.max_tree_size == 9
+    assert p.choose(1) is heads and p.chosen == (p.last, heads)
+    assert p.choose(4) is None and p.chosen[0].mode == "plain" and "unavailable" in p.chosen[0].reason
+    p.choose(1)
+    assert p.recover(heads, RuntimeError("boom")) and p.failures == 1
+    assert p.chosen[0].mode == "plain" and p.chosen[0].reason == "medusa failed" and p.chosen[1] is None
 
 
 def test_without_any_proposer_dynamic_is_plain_and_fixed_is_an_error():
@@ -254,7 +267,7 @@ def test_calibrated_plans_set_watermarks_and_trees():
              Plan(8, None, 1.0, 1.0, "")]
     p = SpeculationPolicy(PolicyConfig(), has_medusa=True, has_draft=False, calibrated=CostModel.from_plans(plans))
     for n in (1, 2, 4, 8):
-        p.observe(PLAIN, n, 1.0, 0.01)
+        p.observe(n, False, 1.0, 0.01)
     assert (p.high, p.low) == (4, 2)
     assert [p.decide(n, 0).tree for n in (1, 2)] == ["auto-3", "auto-1"]
     assert p.decide(4, 0).mode == "plain"

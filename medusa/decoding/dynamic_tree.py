@@ -27,6 +27,7 @@ import torch
 from medusa.decoding.proposers import Proposer
 from medusa.decoding.tree import Tree
 from medusa.decoding.verifier import Candidates
+from medusa.errors import MedusaError
 
 if TYPE_CHECKING:
     from medusa.decoding.batch import Batch
@@ -142,6 +143,66 @@ def stand_in_tree(nodes: int, depth: int, name: str) -> Tree:
     return Tree(paths, name=name)
 
 
+# ---- naming a dynamic tree: dynamic-N, dynamic-NxD or dynamic-NxDxK ----------------------------------
+
+DYNAMIC = "dynamic-"
+
+
+def is_dynamic(name: object) -> bool:
+    """Whether a tree name (`--tree`, `policy.trees`) names a dynamic tree."""
+    return str(name).startswith(DYNAMIC)
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A dynamic tree's budget: `nodes` candidates, `depth` draft steps, `topk` children per expansion."""
+
+    nodes: int = 16
+    depth: int = 5
+    topk: int = 4
+
+    @property
+    def name(self) -> str:
+        """The name of its stand-in tree (what reports, metrics and plans call it)."""
+        return f"{DYNAMIC}{self.nodes}x{self.depth}"
+
+    @property
+    def full_name(self) -> str:
+        """The name that parses back to this shape, top-k included."""
+        return f"{self.name}x{self.topk}"
+
+    def stand_in(self, name: str | None = None) -> Tree:
+        return stand_in_tree(self.nodes, self.depth, name or self.name)
+
+    def check(self) -> "TreeShape":
+        if self.nodes < 1 or self.depth < 1 or self.topk < 1:
+            raise MedusaError(f"dynamic tree needs nodes, depth and topk >= 1, got {self}")
+        if pool_size(self.depth, self.topk) < self.nodes:
+            raise MedusaError(f"a dynamic tree of depth {self.depth} and top-{self.topk} generates fewer than "
+                              f"{self.nodes} nodes")
+        if self.nodes < self.depth:
+            raise MedusaError(f"{self.nodes} nodes cannot make a tree {self.depth} deep")
+        return self
+
+
+def parse_shape(name: str) -> TreeShape:
+    """`dynamic-N` (depth and top-k chosen for N) or `dynamic-NxD` or `dynamic-NxDxK`."""
+    expected = f"--tree: {name!r}: expected {DYNAMIC}N, {DYNAMIC}NxD or {DYNAMIC}NxDxK"
+    try:
+        parts = [int(p) for p in str(name).removeprefix(DYNAMIC).split("x")] if is_dynamic(name) else []
+    except ValueError:
+        raise MedusaError(expected) from None
+    if len(parts) == 1:
+        n = parts[0]
+        depth = max(1, min(6, n // 2 if n > 2 else n))
+        return TreeShape(n, depth, 4 if n >= 4 else n).check()
+    if len(parts) == 2:
+        return TreeShape(parts[0], parts[1], 4 if parts[0] >= 4 else max(1, parts[0])).check()
+    if len(parts) == 3:
+        return TreeShape(*parts).check()
+    raise MedusaError(expected)
+
+
 # ---- growing a dynamic tree ----------------------------------------------------------------------
 
 
@@ -236,15 +297,13 @@ class MedusaDynamicProposer(Proposer):
     owns_step = True
 
     def __init__(self, heads, nodes: int, depth: int, topk: int, projection: torch.nn.Module | None = None):
-        from medusa.errors import MedusaError
-
         if depth > heads.config.num_heads:
             raise MedusaError(f"a dynamic tree {depth} deep needs {depth} heads, these have {heads.config.num_heads}")
         if nodes < depth or topk < 1 or pool_size(depth, topk) < nodes:
             raise MedusaError(f"no dynamic tree of {nodes} nodes, depth {depth} and top-{topk}")
         self.heads, self.projection = heads, projection
         self.nodes, self.depth, self.topk = nodes, depth, topk
-        self.tree = stand_in_tree(nodes, depth, f"dynamic-{nodes}x{depth}")
+        self.tree = TreeShape(nodes, depth, topk).stand_in()
 
     def _log_probs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each head's top-k (log-prob [D, n, k], token id [D, n, k]) over its candidate vocabulary."""

@@ -38,7 +38,13 @@ class StepPolicy:
         raise NotImplementedError
 
     def observe(self, rows: int, speculative: bool, tau: float, seconds: float) -> None:
-        """How a step with `rows` rows went: speculative or plain, its tokens per row, its duration."""
+        """How a step with `rows` rows went: speculative or plain, its tokens per row (`StepOutput.tau`),
+        its duration."""
+
+    def recover(self, proposer: Proposer, exc: Exception) -> bool:
+        """The chosen proposer raised before its step committed anything: True redoes the step without it
+        (lossless; the step then counts as plain), False lets the error through (default)."""
+        return False
 
 
 class Engine:
@@ -361,16 +367,21 @@ class Engine:
         mode = "auto" if policy is not None else proposer.name if proposer is not None else "plain"
         return Generation([results[i] for i in range(len(prompts))], batch.stats, seconds, mode)
 
-    def policy_step(self, batch: Batch, proposer: Proposer | None = None,
-                    policy: "StepPolicy | None" = None) -> StepOutput:
+    def policy_step(self, batch: Batch, proposer: Proposer | None = None, policy: "StepPolicy | None" = None,
+                    prefill: int = 0) -> StepOutput:
         """One step with `proposer`, or, given a `policy`, with the proposer it chooses for this many rows,
-        timed and reported back to it."""
+        timed and reported back to it (`prefill`: see `step`)."""
         if policy is None:
-            return self.step(batch, proposer)
-        rows = batch.n
+            return self.step(batch, proposer, prefill)
+        rows, steps = batch.n, batch.stats.steps
         chosen = policy.choose(rows)
         start = time.perf_counter()
-        out = self.step(batch, chosen)  # its host counts were read once the device finished
-        tau = sum(out.count_list) / max(len(out.count_list), 1)
-        policy.observe(rows, chosen is not None, tau, time.perf_counter() - start)
+        try:
+            out = self.step(batch, chosen, prefill)  # its host counts were read once the device finished
+        except Exception as exc:
+            if chosen is None or batch.stats.steps != steps or not policy.recover(chosen, exc):
+                raise
+            chosen = None
+            out = self.step(batch, None, prefill)
+        policy.observe(rows, chosen is not None, out.tau, time.perf_counter() - start)
         return out

@@ -1,22 +1,21 @@
 """The feature-head proposer: each engine step the head catches up on the row's newly committed positions
 (their true features come from the verification pass that accepted them), then grows a dynamic tree
 (`medusa.decoding.dynamic_tree`) of `nodes` candidates, `depth` draft steps deep, expanding the `topk` best
-frontier nodes each step. Also the tree budgets (`TreeShape`) and their expected acceptance.
+frontier nodes each step. Also the tree budgets a head can fill and their expected acceptance.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from medusa.decoding.dynamic_tree import NEG, Growth, Pool, RowTrees, expand, pool_size, stand_in_tree
+from medusa.decoding.dynamic_tree import NEG, Growth, Pool, RowTrees, TreeShape, expand, pool_size
 from medusa.decoding.feature_heads import FeatureHead
 from medusa.decoding.feature_runner import FeatureState, HeadRunner, LayerTaps
 from medusa.decoding.proposers import Proposer
-from medusa.decoding.ragged import aux_state, catch_up, common_prefix, context
+from medusa.decoding.ragged import aux_state, catch_up, common_prefix, context, rewound
 from medusa.decoding.sampling import MODE_REJECTION, sample_from
 from medusa.decoding.transformer import Transformer, causal
 from medusa.decoding.tree import build_tree, expected_tau
@@ -26,25 +25,6 @@ if TYPE_CHECKING:
     from medusa.decoding.batch import Batch
 
 AUX_KEY = "feature"
-
-
-@dataclass
-class TreeShape:
-    """A dynamic tree's budget: `nodes` candidates, `depth` draft steps, `topk` children per expansion."""
-
-    nodes: int = 16
-    depth: int = 5
-    topk: int = 4
-
-    def check(self) -> "TreeShape":
-        if self.nodes < 1 or self.depth < 1 or self.topk < 1:
-            raise MedusaError(f"dynamic tree needs nodes, depth and topk >= 1, got {self}")
-        if pool_size(self.depth, self.topk) < self.nodes:
-            raise MedusaError(f"a dynamic tree of depth {self.depth} and top-{self.topk} generates fewer than "
-                              f"{self.nodes} nodes")
-        if self.nodes < self.depth:
-            raise MedusaError(f"{self.nodes} nodes cannot make a tree {self.depth} deep")
-        return self
 
 
 class FeatureProposer(Proposer):
@@ -63,8 +43,7 @@ class FeatureProposer(Proposer):
         if self.shape.topk > self.runner.vocab:
             raise MedusaError(f"top-{self.shape.topk} expansions need more than the head's "
                               f"{self.runner.vocab} draft tokens")
-        self.tree = stand_in_tree(self.shape.nodes, self.shape.depth,
-                                  f"dynamic-{self.shape.nodes}x{self.shape.depth}")
+        self.tree = self.shape.stand_in()
         # Rows sampled with rejection acceptance draft a chain sampled from the head's distribution and
         # hand it to the verifier (min(1, p/q) accepts more than a point mass when q is close to p).
         self.sample_chain = sample_chain
@@ -113,34 +92,24 @@ class FeatureProposer(Proposer):
     # ---- pieces ---------------------------------------------------------------------------------
     def _fill_features(self, batch: "Batch", state: FeatureState, ctx: torch.Tensor, lens: torch.Tensor) -> None:
         """Target features of committed positions the state never saw (rows that decoded without this
-        proposer, or joined before it was attached): re-run the target over them. It rewrites the same
-        K/V entries from the same tokens; entries past each row's length are scratch."""
+        proposer, or joined before it was attached): the target's cache is rewound to them and caught up
+        again over the same tokens, keeping the features."""
         n = lens.shape[0]
         rows = slice(0, n)
-        cache = batch.cache
-        saved = cache.lens[rows].clone()
-        dev = lens.device
-        try:
-            while True:
-                start = state.feat_len[rows]
-                todo = lens - start
-                most = int(todo.max())
-                if most <= 0:
-                    return
-                cache.lens[rows] = start
-                t = min(most, cache.capacity - int(start.max()))
-                j = torch.arange(t, device=dev)
-                idx = (start[:, None] + j).clamp(max=ctx.shape[1] - 1)
-                hidden = self.target(ctx.gather(1, idx), start[:, None] + j, cache, rows, causal(t, dev))
-                count = todo.clamp(min=0, max=t)
-                take = j[None, :] < count[:, None]
-                r = torch.arange(n, device=dev)[:, None]
-                pos = idx.clamp(max=state.feats.shape[1] - 1)
-                feats = state.features(hidden).to(state.feats.dtype)
-                state.feats[r, pos] = torch.where(take[:, :, None], feats, state.feats[r, pos])
-                state.feat_len[rows] = start + count
-        finally:
-            cache.lens[rows] = saved
+        r = torch.arange(n, device=lens.device)[:, None]
+
+        def run(start: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+            idx = (start[:, None] + j).clamp(max=ctx.shape[1] - 1)
+            hidden = self.target(ctx.gather(1, idx), start[:, None] + j, batch.cache, rows, causal(len(j), lens.device))
+            take = j[None, :] < (lens - start)[:, None]
+            pos = idx.clamp(max=state.feats.shape[1] - 1)
+            feats = state.features(hidden).to(state.feats.dtype)
+            state.feats[r, pos] = torch.where(take[:, :, None], feats, state.feats[r, pos])
+            return hidden
+
+        with rewound(batch.cache, rows, state.feat_len[rows]):
+            catch_up(batch.cache, rows, lens, None, run)
+        state.feat_len[rows] = torch.maximum(state.feat_len[rows], lens)
 
     def _catch_up(self, state: FeatureState, rows: slice, ctx: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """Head entries for committed positions [cache.lens, lens): input (f_s, x_{s+1}); returns the output
@@ -263,20 +232,3 @@ def expected_tau_dynamic(shape: TreeShape, accuracy: list[list[float]]) -> float
     if not acc:
         return 1.0
     return expected_tau(build_tree(acc, shape.nodes).nodes, acc)
-
-
-def parse_shape(name: str) -> TreeShape:
-    """`dynamic-N` (depth and top-k chosen for N) or `dynamic-NxD` or `dynamic-NxDxK`."""
-    try:
-        parts = [int(p) for p in name.removeprefix("dynamic-").split("x")]
-    except ValueError:
-        raise MedusaError(f"--tree: {name!r}: expected dynamic-N, dynamic-NxD or dynamic-NxDxK") from None
-    if len(parts) == 1:
-        n = parts[0]
-        depth = max(1, min(6, n // 2 if n > 2 else n))
-        return TreeShape(n, depth, 4 if n >= 4 else n).check()
-    if len(parts) == 2:
-        return TreeShape(parts[0], parts[1], 4 if parts[0] >= 4 else max(1, parts[0])).check()
-    if len(parts) == 3:
-        return TreeShape(*parts).check()
-    raise MedusaError(f"--tree: {name!r}: expected dynamic-N, dynamic-NxD or dynamic-NxDxK")

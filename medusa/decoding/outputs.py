@@ -70,6 +70,13 @@ class StepOutput:
     count_list: list[int] = field(default_factory=list)
     accepted_list: list[int] = field(default_factory=list)
 
+    @property
+    def tau(self) -> float:
+        """Tokens per row the step's verification produced (1 + candidates accepted, before any EOS or
+        max-token cut): the one measure of acceptance that auto mode, the server's policy and the metrics
+        share. 1.0 for a plain step."""
+        return 1 + sum(self.accepted_list) / max(len(self.accepted_list), 1)
+
 
 @dataclass
 class Generation:

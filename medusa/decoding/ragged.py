@@ -7,7 +7,8 @@ positions it lacks (`catch_up`), all rows in one right-padded block.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -24,13 +25,13 @@ def common_prefix(cached: torch.Tensor, ctx: torch.Tensor, limit: torch.Tensor) 
     return torch.where(differs.any(1), differs.long().argmax(1), limit)
 
 
-def catch_up(cache: KVCache, rows: slice, upto: torch.Tensor, last: torch.Tensor,
-             run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def catch_up(cache: KVCache, rows: slice, upto: torch.Tensor, last: torch.Tensor | None,
+             run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
     """Feed each row its positions [cache.lens, upto) in blocks that fit the cache.
 
     `run(lens [n], j [t])` computes the entries of positions lens + j (causal within the block; a row's
     entries past upto are scratch) and returns their outputs [n, t, h]. Returns each row's output at
-    position upto - 1, or its row of `last` [n, h] when it had nothing to feed."""
+    position upto - 1, or its row of `last` [n, h] when it had nothing to feed (None: nothing returned)."""
     ar = torch.arange(upto.shape[0], device=upto.device)
     while True:
         lens = cache.lens[rows]
@@ -41,9 +42,22 @@ def catch_up(cache: KVCache, rows: slice, upto: torch.Tensor, last: torch.Tensor
         t = min(most, cache.capacity - int(lens.max()))
         out = run(lens, torch.arange(t, device=upto.device))
         count = todo.clamp(min=0, max=t)
-        done = (count > 0) & (count == todo)
-        last = torch.where(done[:, None], out[ar, (count - 1).clamp(min=0)], last)
+        if last is not None:
+            done = (count > 0) & (count == todo)
+            last = torch.where(done[:, None], out[ar, (count - 1).clamp(min=0)], last)
         cache.lens[rows] = lens + count
+
+
+@contextmanager
+def rewound(cache: KVCache, rows: slice, to: torch.Tensor) -> Iterator[None]:
+    """The cache's lengths of `rows` set to `to` [n] inside the block and restored after it: for re-running
+    committed positions [to, lens) over the same tokens (same K/V entries; those past lens are scratch)."""
+    saved = cache.lens[rows].clone()
+    cache.lens[rows] = to
+    try:
+        yield
+    finally:
+        cache.lens[rows] = saved
 
 
 def context(batch: "Batch") -> torch.Tensor:

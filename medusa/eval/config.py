@@ -13,16 +13,16 @@ from medusa.decoding.sampling import SamplingParams
 from medusa.decoding.tree import DEFAULT_TREE
 from medusa.errors import MedusaError
 from medusa.io import read_yaml, validate
+from medusa.runtime.proposers import MODES
 
-OURS = ("plain", "medusa", "draft", "lookup", "feature", "suffix", "medusa+suffix", "feature+suffix")
+OURS = MODES  # our engine's methods: the mode names of `medusa.runtime.proposers`
 HF = ("hf", "hf_assisted", "hf_lookup")
 BATCH_ONE_ONLY = ("hf_assisted", "hf_lookup")  # HF runs these for batch size 1 only
 
 
 class MethodSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    method: Literal["plain", "medusa", "draft", "lookup", "feature", "suffix", "medusa+suffix", "feature+suffix",
-                    "hf", "hf_assisted", "hf_lookup"]
+    method: Literal[(*OURS, *HF)]
     label: str | None = None
     tree: str | None = None           # medusa: tree file or shipped name
     draft: str | None = None          # draft / hf_assisted: see medusa.decoding.draft.load_draft

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from medusa.decoding.proposers import Proposer
 from medusa.decoding.tree import DEFAULT_TREE
-from medusa.runtime.proposers import build_proposer
+from medusa.runtime.proposers import MERGED, ProposerSpec, build_proposer
 from medusa.eval.anchors import run_hf
 from medusa.eval.config import BATCH_ONE_ONLY, HF, EvalConfig, MethodSpec
 from medusa.eval.driver import RunResult, run_engine
@@ -13,9 +13,9 @@ from medusa.eval.driver import RunResult, run_engine
 
 def make_proposer(rt, m: MethodSpec) -> Proposer | None:
     """The proposer of one of our methods (None: plain decoding), from the one proposer factory."""
-    feature = f"feature:{m.heads}" if m.heads else "feature"
-    spec = {"feature": feature, "feature+suffix": f"{feature}+suffix", "draft": f"draft:{m.draft or 'default'}",
-            "suffix": f"suffix:{m.k}" if m.k else "suffix"}.get(m.method, m.method)
+    kind = m.method.removesuffix(MERGED)
+    arg = {"feature": m.heads, "draft": m.draft or "default", "suffix": str(m.k) if m.k else None}.get(kind)
+    spec = ProposerSpec(kind, arg, retrieval=m.method.endswith(MERGED))
     # `medusa` is the Medusa heads over their default tree even where feature heads were loaded beside them.
     tree = m.tree or (DEFAULT_TREE if m.method == "medusa" else None)
     return build_proposer(rt, spec, tree, k=m.k, max_ngram=m.max_ngram)

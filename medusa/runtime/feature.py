@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from medusa.decoding.dynamic_tree import stand_in_tree
+from medusa.decoding.dynamic_tree import TreeShape, is_dynamic, parse_shape
 from medusa.decoding.feature_heads import SHIPPED_FEATURE_DIR, FeatureHead, read_kind
-from medusa.decoding.feature_proposer import (FeatureProposer, TreeShape, expected_tau_dynamic, parse_shape,
-                                              shape_candidates)
+from medusa.decoding.feature_proposer import FeatureProposer, expected_tau_dynamic, shape_candidates
 from medusa.decoding.feature_runner import HeadRunner, draft_pass_ms
 from medusa.decoding.transformer import Transformer
 from medusa.decoding.retrieval import MergedProposer
@@ -71,7 +70,7 @@ def feature_proposer(rt: "Runtime", tree: str | None = None, batch_size: int = 1
     """`--mode medusa` with feature heads: the named dynamic tree, or the planned one for `batch_size`."""
     runner = _runner(rt.feature, rt.model.dtype, rt.model.device)
     if tree is not None:
-        if not str(tree).startswith("dynamic-"):
+        if not is_dynamic(tree):
             raise MedusaError(f"--tree: feature heads grow dynamic trees; name one as dynamic-N, dynamic-NxD "
                               f"or dynamic-NxDxK, not {tree!r}")
         return FeatureProposer(rt.feature, rt.model, parse_shape(str(tree)), runner=runner)
@@ -112,7 +111,7 @@ class _FeatureAuto:
     def plan(self, rows: int):
         if self.accuracy is None:
             shape = DEFAULT_SHAPE
-            tree = stand_in_tree(shape.nodes, shape.depth, f"dynamic-{shape.nodes}x{shape.depth}")
+            tree = shape.stand_in()
             self.shapes[tree.name] = shape
             return Plan(rows, tree, 0.0, 0.0, "feature head without eval.json: default dynamic tree, checked "
                                               "by measurement")
@@ -162,7 +161,7 @@ def plan_shape(cal, accuracy: list[list[float]], batch: int, draft_ratio, shapes
         if best is None or speedup > best[0]:
             best = (speedup, shape, tau, cost)
     speedup, shape, tau, cost = best
-    tree = stand_in_tree(shape.nodes, shape.depth, f"dynamic-{shape.nodes}x{shape.depth}")
+    tree = shape.stand_in()
     reason = f"tau {tau:.2f} expected, drafting and a {shape.nodes + 1}-token pass cost {cost:.2f} plain steps"
     if speedup < MARGIN:
         return Plan(batch, None, 1.0, 1.0, f"best dynamic tree {tree.name} predicts {speedup:.2f}x (< {MARGIN}x): "

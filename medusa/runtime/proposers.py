@@ -1,4 +1,7 @@
-"""One place that turns a proposer spec into a proposer for a runtime's model.
+"""Mode names, and the one place that turns them into a proposer for a runtime's model.
+
+The one vocabulary of how tokens are drafted, the same in `medusa generate --mode`, the evaluator's
+`methods`, `medusa bench` and the server's policy (its modes are `medusa`, `draft` and `plain`):
 
     plain            no proposer: plain decoding
     medusa           the runtime's heads: Medusa heads over a static tree (`--tree`, default the heads'
@@ -13,68 +16,120 @@
     X+suffix         X's dynamic trees (medusa with feature heads or --tree dynamic-N, feature[:DIR])
                      with retrieval branches grafted in, under X's node budget
 
-The CLI, the evaluator and the server build their proposers here, so a spec means the same everywhere.
+`auto` (the CLI's and the server's default) is not a proposer: it chooses among these per step.
+A spec is parsed once, where it enters (flag, config key, request), into a `ProposerSpec`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
+from medusa.decoding.dynamic_tree import is_dynamic
+from medusa.decoding.lookup import LookupProposer
 from medusa.decoding.proposers import MedusaProposer, Proposer
+from medusa.decoding.retrieval import MergedProposer, SuffixProposer
 from medusa.decoding.tree import DEFAULT_TREE, Tree, load_tree
 from medusa.errors import MedusaError
 
 if TYPE_CHECKING:
     from medusa.runtime import Runtime
 
+MERGED = "+suffix"
+MERGEABLE = ("medusa", "feature")  # the kinds that grow dynamic trees retrieval can graft onto
+NO_ARGUMENT = ("plain", "medusa")
+COUNT_ARGUMENT = ("lookup", "suffix")
 SPECS = "plain, medusa, feature[:DIR], draft[:PATH], lookup[:K], suffix[:N], medusa+suffix, feature[:DIR]+suffix"
 DRAFT_K = 4
 LOOKUP_K = 8
 SUFFIX_NODES = 16
-# What `--mode` names besides auto (medusa: the runtime's heads; suffix: retrieval alone; both: merged).
-MODES = ("plain", "medusa", "suffix", "medusa+suffix")
-MERGED = "+suffix"
 
 
-def build_proposer(rt: "Runtime", spec: str, tree: "str | list | Tree | None" = None, k: int | None = None,
-                   max_ngram: int = 3) -> Proposer | None:
-    """The proposer `spec` names (None for plain decoding). `tree` shapes Medusa and feature heads' trees;
-    `k` is the draft's chain length (default 4) or lookup's token count when the spec gives none;
-    `max_ngram` the longest n-gram prompt lookup matches."""
-    if spec.endswith(MERGED):
-        return merged(build_proposer(rt, spec.removesuffix(MERGED), tree, k, max_ngram), rt.retriever(), spec)
-    kind, _, arg = spec.partition(":")
-    if kind in ("plain", "medusa") and arg:
-        raise MedusaError(f"--mode: {spec!r}: {kind} takes no argument (choose {SPECS})")
-    if kind == "plain":
-        return None
-    if kind == "medusa":
-        return _medusa(rt, tree)
-    if kind == "feature":
-        from medusa.runtime.feature import method_proposer
+@dataclass(frozen=True)
+class ProposerSpec:
+    """A parsed mode: `kind` (one of KINDS), its argument (feature's DIR, draft's PATH, lookup's K,
+    suffix's N; None: the default) and whether retrieval is grafted in (`+suffix`)."""
 
-        return method_proposer(rt, arg or None, None if tree is None else str(tree))
-    if kind == "draft":
-        return _draft(rt, arg or "default", k or DRAFT_K)
-    if kind == "lookup":
-        from medusa.decoding.lookup import LookupProposer
+    kind: str
+    arg: str | None = None
+    retrieval: bool = False
 
-        return LookupProposer(k=_count(spec, arg) if arg else k or LOOKUP_K, max_ngram=max_ngram)
-    if kind == "suffix":
-        from medusa.decoding.retrieval import SuffixProposer
+    @classmethod
+    def parse(cls, text: "str | ProposerSpec", key: str = "--mode") -> "ProposerSpec":
+        """The spec `text` names; a MedusaError naming `key` when it names none."""
+        if isinstance(text, ProposerSpec):
+            return text
+        text = str(text).strip()
+        retrieval = text.endswith(MERGED)
+        kind, sep, arg = text.removesuffix(MERGED).partition(":") if retrieval else text.partition(":")
+        if kind not in KINDS:
+            raise MedusaError(f"{key}: unknown proposer {text!r} (choose {SPECS})")
+        if sep and not arg:
+            raise MedusaError(f"{key}: {text!r}: nothing after ':' (choose {SPECS})")
+        if kind in NO_ARGUMENT and arg:
+            raise MedusaError(f"{key}: {text!r}: {kind} takes no argument (choose {SPECS})")
+        if kind in COUNT_ARGUMENT and arg and not arg.isdigit():
+            raise MedusaError(f"{key}: {text!r}: expected {kind}:N with an integer N")
+        if retrieval and kind not in MERGEABLE:
+            raise MedusaError(f"{key}: {text!r}: retrieval merges into dynamic trees: feature heads, or Medusa "
+                              f"heads with --tree dynamic-N (use suffix alone for plain, drafts or lookup)")
+        return cls(kind, arg or None, retrieval)
 
-        return SuffixProposer(_count(spec, arg) if arg else SUFFIX_NODES, rt.retriever())
-    raise MedusaError(f"--mode: unknown proposer {spec!r} (choose {SPECS})")
+    @property
+    def mode(self) -> str:
+        """The mode name (the spec without its argument)."""
+        return self.kind + (MERGED if self.retrieval else "")
+
+    def __str__(self) -> str:
+        return self.kind + (f":{self.arg}" if self.arg else "") + (MERGED if self.retrieval else "")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What shapes a proposer besides its spec: `tree` for Medusa and feature heads; `k` the draft's chain
+    length or lookup's token count when the spec gives none; `max_ngram` the longest n-gram lookup matches."""
+
+    tree: "str | list | Tree | None" = None
+    k: int | None = None
+    max_ngram: int = 3
+
+
+# The registry: a proposer kind is its module plus one line here, (runtime, spec, options) -> proposer.
+BUILDERS: dict[str, Callable[["Runtime", ProposerSpec, Options], "Proposer | None"]] = {
+    "plain": lambda rt, spec, o: None,
+    "medusa": lambda rt, spec, o: _medusa(rt, o.tree),
+    "feature": lambda rt, spec, o: _feature(rt, spec.arg, o.tree),
+    "draft": lambda rt, spec, o: _draft(rt, spec.arg or "default", o.k or DRAFT_K),
+    "lookup": lambda rt, spec, o: LookupProposer(k=int(spec.arg or o.k or LOOKUP_K), max_ngram=o.max_ngram),
+    "suffix": lambda rt, spec, o: SuffixProposer(int(spec.arg or SUFFIX_NODES), rt.retriever()),
+}
+KINDS = tuple(BUILDERS)
+MODES = KINDS + tuple(k + MERGED for k in MERGEABLE)  # every mode name (a spec without its argument)
+
+
+def build_proposer(rt: "Runtime", spec: "str | ProposerSpec", tree: "str | list | Tree | None" = None,
+                   k: int | None = None, max_ngram: int = 3) -> Proposer | None:
+    """The proposer `spec` names (None for plain decoding), shaped by `Options(tree, k, max_ngram)`."""
+    spec = ProposerSpec.parse(spec)
+    options = Options(tree, k, max_ngram)
+    proposer = BUILDERS[spec.kind](rt, ProposerSpec(spec.kind, spec.arg), options)
+    return merged(proposer, rt.retriever(), str(spec)) if spec.retrieval else proposer
+
+
+def _feature(rt: "Runtime", heads: str | None, tree: "str | list | Tree | None") -> Proposer:
+    from medusa.runtime.feature import method_proposer
+
+    return method_proposer(rt, heads, None if tree is None else str(tree))
 
 
 def _medusa(rt: "Runtime", tree: "str | list | Tree | None") -> Proposer:
     name = tree.name if isinstance(tree, Tree) else str(tree)
-    static = tree is not None and not name.startswith("dynamic-")
+    static = tree is not None and not is_dynamic(name)
     if rt.feature is not None and not (static and rt.heads is not None):
         from medusa.runtime.feature import feature_proposer
 
         return feature_proposer(rt, None if tree is None else name)
-    if rt.heads is not None and isinstance(tree, str) and tree.startswith("dynamic-"):
+    if rt.heads is not None and isinstance(tree, str) and is_dynamic(tree):
         from medusa.runtime.feature import medusa_dynamic
 
         return medusa_dynamic(rt, tree)  # a per-row dynamic tree from the heads' own log-probabilities
@@ -99,16 +154,9 @@ def merged(inner: Proposer | None, retriever=None, spec: str = "medusa+suffix") 
     """`inner`'s dynamic trees with retrieval branches grafted in."""
     from medusa.decoding.dynamic_tree import MedusaDynamicProposer
     from medusa.decoding.feature_proposer import FeatureProposer
-    from medusa.decoding.retrieval import MergedProposer
 
     if not isinstance(inner, (FeatureProposer, MedusaDynamicProposer)):
         raise MedusaError(f"--mode: {spec!r}: retrieval merges into dynamic trees: feature heads, or Medusa heads "
                           f"with --tree dynamic-N (use suffix alone for plain, static trees, drafts or lookup)")
     return MergedProposer(inner, retriever)
 
-
-def _count(spec: str, arg: str) -> int:
-    try:
-        return int(arg)
-    except ValueError:
-        raise MedusaError(f"--mode: {spec!r}: expected {spec.partition(':')[0]}:N with an integer N") from None

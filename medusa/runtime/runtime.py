@@ -20,7 +20,7 @@ from medusa.decoding.model import DEFAULT_MODEL, default_device, load_target
 from medusa.decoding.proposers import MedusaProposer, Proposer
 from medusa.decoding.transformer import Transformer
 from medusa.decoding.tree import Tree, load_tree
-from medusa.runtime.proposers import MODES, build_proposer
+from medusa.runtime.proposers import ProposerSpec, build_proposer
 
 if TYPE_CHECKING:
     from medusa.runtime.auto import AutoSpeculation
@@ -115,11 +115,8 @@ class Runtime:
 
         return Retriever(store=self.datastore)
 
-    def proposer(self, mode: str, tree: str | list | Tree | None = None) -> Proposer | None:
-        """`--mode plain|medusa|suffix|medusa+suffix` (with `--tree`): see
-        `medusa.runtime.proposers.build_proposer`."""
-        if mode not in MODES:
-            raise MedusaError(f"--mode: unknown mode {mode!r} (choose {', '.join(MODES)})")
+    def proposer(self, mode: "str | ProposerSpec", tree: str | list | Tree | None = None) -> Proposer | None:
+        """The proposer a mode names (`--mode`, with `--tree`): see `medusa.runtime.proposers`."""
         return build_proposer(self, mode, tree)
 
     def encode(self, prompts: list[str], raw: bool = False) -> list[list[int]]:

@@ -17,6 +17,11 @@ Defaults for the watermarks and trees come, in this order, from a cost-model fil
 this machine's calibrated pass-cost curve and the heads' eval.json (`calibrate: true`, the plans of
 `--mode auto`), or from the config's own keys.
 
+The policy is the engine's step policy (`medusa.decoding.engine.StepPolicy`, as `--mode auto` is): the scheduler
+tells it how many requests wait (`waiting`) and runs each step through `Engine.policy_step`, which asks it for
+the step's proposer (`choose`) and reports the step back (`observe`, with `StepOutput.tau`). A proposer that
+raises before its step commits anything is dropped for that step, which is redone plainly (`recover`).
+
 Cost-model JSON read here (written by `medusa eval`, alone or as the "cost_model" key of its report.json;
 other keys are ignored):
     {"recommendation": {"1": "medusa", "2": "medusa", "8": "plain", ...},
@@ -32,6 +37,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from medusa.decoding.engine import StepPolicy
+from medusa.decoding.proposers import Proposer
 from medusa.decoding.tree import DEFAULT_TREE
 from medusa.errors import MedusaError
 from medusa.io import read_json
@@ -43,7 +50,10 @@ if TYPE_CHECKING:
 from medusa.serve.config import PolicyConfig
 
 log = logging.getLogger("medusa.serve.policy")
-SPECULATIVE = ("medusa", "draft")
+# The policy's modes, named as everywhere (`medusa.runtime.proposers`): the runtime's own heads (or retrieval
+# alone), a draft model, or none.
+MODES = ("medusa", "draft", "plain")
+SPECULATIVE = MODES[:2]
 
 
 @dataclass(frozen=True)
@@ -105,12 +115,12 @@ def _floor_lookup(table: dict[int, str], n: int) -> str:
     return table[best]
 
 
-class SpeculationPolicy:
+class SpeculationPolicy(StepPolicy):
     def __init__(self, cfg: PolicyConfig, has_medusa: bool, has_draft: bool, calibrated: CostModel | None = None,
                  default_trees: dict[int, str] | None = None):
         """`has_medusa`: the runtime has heads of its own (Medusa or feature heads; mode "medusa" drafts with
         them). `calibrated`: the cost model of this machine's calibration, used when no cost_model file is
-        set. `default_trees`: the heads' trees when the config names none."""
+        set. `default_trees`: the heads' trees when the config names none. The proposers come with `serve`."""
         self.cfg = cfg
         self.has = {"medusa": has_medusa, "draft": has_draft}
         self.high, self.low = cfg.high_watermark, cfg.low_watermark
@@ -126,6 +136,53 @@ class SpeculationPolicy:
         self.spec_on = True
         self.gate = AcceptanceGate(cfg.window, cfg.min_tau, cfg.retry_after_steps)
         self.last: Decision | None = None
+        self.medusa: dict[str, Proposer] = {}  # the heads' proposer per tree name
+        self.draft: Proposer | None = None
+        self.max_tree_size = 1
+        self.queued = 0  # requests waiting when the next step is chosen
+        self.chosen: tuple[Decision, Proposer | None] = (Decision("plain", None, "no step yet"), None)
+        self.failures = 0  # proposers that raised (their steps were redone plainly)
+
+    # ---- the engine's step policy ---------------------------------------------------------------------
+    def serve(self, medusa: dict[str, Proposer], draft: Proposer | None) -> None:
+        """The proposers the decisions name: the heads' per tree name, and the draft model's."""
+        self.medusa, self.draft = dict(medusa), draft
+        self.max_tree_size = max([p.tree.size for p in self.medusa.values()]
+                                 + ([draft.tree.size] if draft is not None else []), default=1)
+
+    def attach(self, batch) -> None:
+        """Per-row proposer state a new batch needs before its first prefill (feature heads keep the
+        prompts' features then, and every step's after)."""
+        for proposer in [*self.medusa.values(), self.draft]:
+            if proposer is not None:
+                proposer.attach(batch)
+
+    def waiting(self, queued: int) -> None:
+        """How many requests wait for a row: load for the next `choose`."""
+        self.queued = queued
+
+    def proposer_for(self, decision: Decision) -> Proposer | None:
+        if decision.mode == "medusa":
+            return self.medusa.get(decision.tree)
+        return self.draft if decision.mode == "draft" else None
+
+    def choose(self, rows: int) -> Proposer | None:
+        """The step's proposer: the decision's, unless it is missing (then plain); `chosen` keeps both."""
+        decision = self.decide(rows, self.queued)
+        proposer = self.proposer_for(decision)
+        if proposer is None and decision.mode != "plain":
+            decision = Decision("plain", None, f"{decision.mode} unavailable")
+        self.chosen = (decision, proposer)
+        return proposer
+
+    def recover(self, proposer: Proposer, exc: Exception) -> bool:
+        decision = self.chosen[0]
+        self.failures += 1
+        n = self.failures
+        log.error("%s proposal failed (%d so far): %s: %s; this step decodes without speculation",
+                  decision.mode, n, type(exc).__name__, exc, exc_info=exc if n & (n - 1) == 0 else None)
+        self.chosen = (Decision("plain", None, f"{decision.mode} failed"), None)
+        return True
 
     def _apply_cost_model(self, cm: CostModel) -> None:
         sizes = sorted(cm.recommendation)
@@ -179,10 +236,10 @@ class SpeculationPolicy:
         self.last = decision
         return decision
 
-    def observe(self, decision: Decision, running: int, tau: float, seconds: float) -> None:
-        """Feed back a finished step: its batch size, tokens per row (tau) and duration."""
+    def observe(self, rows: int, speculative: bool, tau: float, seconds: float) -> None:
+        """Feed back a finished step: its batch size, speculative or not, tokens per row (tau), duration."""
         if self.cfg.mode != "dynamic":
             return
-        paused = self.gate.observe(running, decision.mode in SPECULATIVE, tau, seconds)
+        paused = self.gate.observe(rows, speculative, tau, seconds)
         if paused:
             log.info(paused)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from medusa.decoding.dynamic_tree import is_dynamic
 from medusa.decoding.proposers import Proposer
 from medusa.decoding.tree import DEFAULT_TREE, Tree, load_tree
 from medusa.errors import MedusaError
@@ -48,7 +49,7 @@ def default_trees(rt: Runtime) -> dict[int, str]:
     if rt.feature is not None:
         from medusa.runtime.feature import DEFAULT_SHAPE
 
-        return {1: f"dynamic-{DEFAULT_SHAPE.nodes}x{DEFAULT_SHAPE.depth}x{DEFAULT_SHAPE.topk}"}
+        return {1: DEFAULT_SHAPE.full_name}
     if rt.heads is None:
         from medusa.runtime.proposers import SUFFIX_NODES
 
@@ -72,7 +73,7 @@ def heads_proposer(rt: Runtime, name: str, planned: Tree | None = None) -> Any:
             if not name.startswith("suffix-"):
                 raise MedusaError(f"{name!r}: without heads the trees are retrieval's, named suffix-N")
             return build_proposer(rt, name.replace("suffix-", "suffix:", 1))
-        if name.startswith("dynamic-") or rt.feature is not None:  # dynamic trees: retrieval grafted in
+        if is_dynamic(name) or rt.feature is not None:  # dynamic trees: retrieval grafted in
             return rt.proposer("medusa+suffix" if rt.retrieval else "medusa", name)
         return rt.proposer("medusa", planned or load_tree(name, heads_dir=rt.heads.directory))
     except MedusaError as exc:

@@ -3,8 +3,8 @@
 Each loop iteration is one step boundary: drop cancelled and timed-out requests, prefill within the
 boundary's token budget (whole short prompts into free rows, or the next chunk of a long prompt, so running
 rows are never stalled behind long prompts; see `medusa.serve.prefill` and `medusa.serve.admission`), then
-run one decode step in the mode the speculation policy picks. New tokens are detokenised incrementally per request; a stop string ends the
-request there (the row is removed from the batch and the string trimmed from the text). Results go back to
+run one decode step in the mode the speculation policy picks (`Engine.policy_step`). New tokens are
+detokenised incrementally per request; a stop string ends the request there (the row is removed from the batch and the string trimmed from the text). Results go back to
 the HTTP side through a callback per request that must be thread-safe (the app hands in
 `loop.call_soon_threadsafe`).
 
@@ -21,41 +21,38 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from medusa.decoding.batch import Batch
 from medusa.decoding.engine import Engine
 from medusa.decoding.outputs import StepOutput
+from medusa.decoding.proposers import Proposer
 from medusa.decoding.transformer import cache_capacity
 from medusa.serve.admission import Admission
 from medusa.serve.detokenize import visible_text
 from medusa.serve.metrics import Metrics
-from medusa.serve.policy import Decision, SpeculationPolicy
+from medusa.serve.policy import MODES, Decision, SpeculationPolicy
 from medusa.serve.prefill import PrefillBudget
 from medusa.serve.request import Event, Request
 
 log = logging.getLogger("medusa.serve.scheduler")
 PROBE_INTERVAL_S = 2.0  # how often an idle, unhealthy engine tries a one-row probe decode
-MODES = ("medusa", "draft", "plain")
 
 
 class Scheduler(Admission):
-    def __init__(self, engine: Engine, tokenizer: Any, policy: SpeculationPolicy,
-                 proposer_for: Callable[[Decision], Any], metrics: Metrics, *, max_batch: int,
-                 max_context: int, max_queue: int, queue_timeout_s: float, budget: PrefillBudget,
-                 max_proposal_tokens: int, attach: Callable[[Batch], None] | None = None,
+    def __init__(self, engine: Engine, tokenizer: Any, policy: SpeculationPolicy, metrics: Metrics, *,
+                 max_batch: int, max_context: int, max_queue: int, queue_timeout_s: float, budget: PrefillBudget,
                  chunked_prefill: bool = True):
-        self.engine, self.tokenizer, self.policy = engine, tokenizer, policy
-        self.proposer_for, self.metrics = proposer_for, metrics
-        self.attach = attach  # sets up a new batch's per-row proposer state before anything is prefilled
+        """`policy` chooses each step's proposer and sets up their per-row state in every new batch."""
+        self.engine, self.tokenizer, self.policy, self.metrics = engine, tokenizer, policy, metrics
         self.max_batch, self.max_context = max_batch, max_context
         self.max_queue, self.queue_timeout_s = max_queue, queue_timeout_s
         self.budget, self.chunked_prefill = budget, chunked_prefill
         self.width = 1  # tokens per row of the last decode pass (its tree's size)
         # Room past the longest request for the candidate block of one verification pass.
-        self.capacity = cache_capacity(max_context, 1, max_proposal_tokens)
+        self.capacity = cache_capacity(max_context, 1, policy.max_tree_size)
         self.queue: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.prefilling: Request | None = None
@@ -67,7 +64,6 @@ class Scheduler(Admission):
         self.completions: deque[float] = deque(maxlen=4096)  # monotonic times rows were freed
         self.fault: str | None = None  # set while the engine is unhealthy: what failed
         self.probed_at = 0.0
-        self.proposer_failures = 0
 
     def start(self) -> None:
         self.batch = self.new_batch()
@@ -83,8 +79,7 @@ class Scheduler(Admission):
 
     def new_batch(self) -> Batch:
         batch = self.engine.new_batch(self.max_batch, self.capacity, self.max_context)
-        if self.attach is not None:
-            self.attach(batch)
+        self.policy.attach(batch)
         return batch
 
     # ---- the engine thread --------------------------------------------------------------------------
@@ -122,13 +117,17 @@ class Scheduler(Admission):
         self._update_gauges()
 
     def _decode(self, prefill: int = 0) -> None:
-        """One decode step over the running rows, carrying `prefill` tokens of the chunked prompt."""
-        decision, proposer = self._choose()
-        n = self.batch.n
+        """One decode step over the running rows in the policy's mode (`Engine.policy_step`), carrying
+        `prefill` tokens of the chunked prompt."""
+        with self.cond:
+            self.policy.waiting(len(self.queue))
+        n, failures = self.batch.n, self.policy.failures
         start = time.perf_counter()
-        run = lambda: self._step(decision, proposer, prefill)  # noqa: E731
-        out, decision, proposer = self._chunked(run, prefill) if prefill else run()
+        run = lambda: self.engine.policy_step(self.batch, policy=self.policy, prefill=prefill)  # noqa: E731
+        out = self._chunked(run, prefill) if prefill else run()
         seconds = time.perf_counter() - start
+        decision, proposer = self.policy.chosen
+        self.metrics.failures.labels("proposer").inc(self.policy.failures - failures)
         self.budget.observe(seconds, prefill)
         self.width = proposer.tree.size if proposer is not None else 1
         if self.fault is not None:
@@ -136,57 +135,21 @@ class Scheduler(Admission):
         self._record(decision, proposer, out, n, seconds)
         self._deliver(out)
 
-    def _choose(self) -> tuple[Decision, Any]:
-        """This step's mode (the policy's, unless its proposer is missing or cannot serve the batch)."""
-        with self.cond:
-            queued = len(self.queue)
-        decision = self.policy.decide(self.batch.n, queued)
-        proposer = self.proposer_for(decision)
-        if proposer is None and decision.mode != "plain":
-            decision = Decision("plain", None, f"{decision.mode} unavailable")
-        return decision, proposer
-
-    def _step(self, decision: Decision, proposer: Any, prefill: int = 0) -> tuple[StepOutput, Decision, Any]:
-        """One engine step; a proposer that raised before the step committed anything is dropped and the
-        step redone plainly (lossless)."""
-        steps0 = self.batch.stats.steps
-        try:
-            return self.engine.step(self.batch, proposer, prefill), decision, proposer
-        except Exception as exc:
-            if proposer is None or self.batch.stats.steps != steps0:
-                raise
-            decision, proposer = self._without_proposer(decision, exc)
-            return self.engine.step(self.batch, None, prefill), decision, proposer
-
-    def _without_proposer(self, decision: Decision, exc: Exception) -> tuple[Decision, None]:
-        self.proposer_failures += 1
-        self.metrics.failures.labels("proposer").inc()
-        n = self.proposer_failures
-        log.error("%s proposal failed (%d so far): %s: %s; this step decodes without speculation",
-                  decision.mode, n, type(exc).__name__, exc, exc_info=exc if n & (n - 1) == 0 else None)
-        return Decision("plain", None, f"{decision.mode} failed"), None
-
-    def _record(self, decision: Decision, proposer: Any, out: StepOutput, rows: int, seconds: float) -> None:
-        """The step's metrics, and its speed and acceptance for the policy to learn from."""
+    def _record(self, decision: Decision, proposer: Proposer | None, out: StepOutput, rows: int,
+                seconds: float) -> None:
+        """The step's metrics (the policy heard of the step from the engine)."""
         self.metrics.step_seconds.observe(seconds)
         self.steps += 1
         self.metrics.steps.labels(decision.mode).inc()
-        spec = decision.mode != "plain"
+        spec = proposer is not None
         self.metrics.spec_steps.labels("on" if spec else "off").inc()
         self.metrics.spec_on.set(1 if spec else 0)
         for m in MODES:
             self.metrics.mode_info.labels(m).set(1 if m == decision.mode else 0)
-        tau = self._acceptance(proposer, out) if spec else 1.0
-        self.policy.observe(decision, rows, tau, seconds)
+        if spec:
+            self.metrics.observe_drafts(out.accepted_list, proposer.tree.size - 1, proposer.tree.depth)
         log.debug("step %d: %s%s rows=%d tau=%.2f %.1f ms", self.steps, decision.mode,
-                  f" {decision.tree}" if decision.tree else "", rows, tau, 1000 * seconds)
-
-    def _acceptance(self, proposer: Any, out: StepOutput) -> float:
-        """Tokens per row of the speculative step just taken (tau); updates the acceptance metrics."""
-        accepted = out.accepted_list
-        rows = max(len(accepted), 1)
-        self.metrics.observe_drafts(accepted, proposer.tree.size - 1, proposer.tree.depth)
-        return 1 + sum(accepted) / rows
+                  f" {decision.tree}" if decision.tree else "", rows, out.tau, 1000 * seconds)
 
     # ---- results ------------------------------------------------------------------------------------
     def _deliver(self, out: StepOutput) -> None:

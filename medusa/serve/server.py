@@ -14,7 +14,7 @@ from medusa.serve.body import parse_body
 from medusa.serve.config import ServeConfig
 from medusa.serve.errors import ApiError
 from medusa.serve.metrics import Metrics
-from medusa.serve.policy import Decision, SpeculationPolicy
+from medusa.serve.policy import SpeculationPolicy
 from medusa.serve.prefill import PrefillBudget
 from medusa.serve.proposers import calibrated_policy, default_trees, drafts_alone, heads_proposers
 from medusa.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -41,28 +41,13 @@ class Server:
         calibrated, planned = calibrated_policy(cfg, rt, draft)
         self.policy = SpeculationPolicy(cfg.policy, has_medusa=drafts_alone(rt), has_draft=draft is not None,
                                         calibrated=calibrated, default_trees=default_trees(rt))
-        self.medusa = heads_proposers(rt, self.policy, planned)
-        self.draft = draft
-        sizes = [p.tree.size for p in self.medusa.values()] + ([draft.tree.size] if draft is not None else [])
+        self.policy.serve(heads_proposers(rt, self.policy, planned), draft)
         self.scheduler = Scheduler(
-            rt.engine, rt.tokenizer, self.policy, self.proposer_for, self.metrics,
+            rt.engine, rt.tokenizer, self.policy, self.metrics,
             max_batch=cfg.max_batch, max_context=cfg.max_context, max_queue=cfg.max_queue,
             queue_timeout_s=cfg.queue_timeout_s,
             budget=PrefillBudget(cfg.prefill_tokens_per_step, cfg.prefill_stall, cached_curve(rt)),
-            max_proposal_tokens=max(sizes, default=1), attach=self.attach, chunked_prefill=cfg.chunked_prefill)
-
-    def attach(self, batch: Any) -> None:
-        """Per-row proposer state a new batch needs before its first prefill (feature heads keep the
-        prompts' features then, and every step's after)."""
-        for proposer in [*self.medusa.values(), self.draft]:
-            if proposer is not None:
-                proposer.attach(batch)
-    def proposer_for(self, decision: Decision) -> Any:
-        if decision.mode == "medusa":
-            return self.medusa.get(decision.tree)
-        if decision.mode == "draft":
-            return self.draft
-        return None
+            chunked_prefill=cfg.chunked_prefill)
 
     # ---- request -> engine requests -----------------------------------------------------------------
     def check_model(self, model: str) -> None:

@@ -36,6 +36,8 @@ def add_parser(subparsers) -> None:
     f.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. loss.unroll=2 (repeatable)")
     f.add_argument("--prepare-only", action="store_true", help="extract and cache the target's features, then stop")
+    f.add_argument("--evaluate", metavar="HEAD_DIR", help="measure this head on the config's held-out split "
+                                                          "(eval_steps draft steps) and rewrite its eval.json")
     f.add_argument("--resume", metavar="PATH", help="start from this checkpoint (or run directory's latest) when "
                                                     "the run has none of its own, e.g. one made on another machine")
     f.add_argument("--no-progress", action="store_true")
@@ -128,9 +130,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_train_feature(args: argparse.Namespace) -> int:
-    from medusa.train.feature import load_feature_config, run_feature_training
+    from medusa.train.feature import evaluate_saved, load_feature_config, run_feature_training
 
     cfg = load_feature_config(args.config, args.set + ([f"resume_from={args.resume}"] if args.resume else []))
+    if args.evaluate:
+        if not (Path(args.evaluate) / "heads.json").is_file():
+            raise MedusaError(f"--evaluate: {args.evaluate} holds no feature head (no heads.json)")
+        report = evaluate_saved(cfg, args.evaluate)
+        print(f"{args.evaluate}/eval.json: held-out top-1 per draft step: "
+              + ", ".join(f"{a:.3f}" for a in report.get("top1", [])))
+        return 0
     result = run_feature_training(cfg, progress=not args.no_progress, prepare_only=args.prepare_only)
     if args.prepare_only:
         print(f"features cached: {result['sequences']} sequences, {result['positions']} label positions")

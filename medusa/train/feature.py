@@ -32,7 +32,7 @@ import yaml
 from pydantic import Field
 
 from medusa.errors import MedusaError
-from medusa.io import atomic_dir, read_yaml, validate
+from medusa.io import atomic_dir, read_yaml, validate, write_json_atomic
 from medusa.train import checkpoint as ckpt
 from medusa.train.batches import epoch_order
 from medusa.train.config import OptimConfig, RunConfig, StrictConfig, WandbConfig, apply_overrides
@@ -74,6 +74,9 @@ class FeatureTrainConfig(RunConfig):
     keep_checkpoints: int = Field(default=2, gt=0)
     log_every: int = Field(default=10, gt=0)
     eval_topk: int = Field(default=10, gt=0, le=50)
+    # Draft steps the held-out accuracy is measured at (at least loss.unroll): auto mode plans a tree's depth
+    # from them, so a head is measured as deep as it will draft.
+    eval_steps: int = Field(default=6, ge=1, le=12)
     threads: int | None = Field(default=None, gt=0)
     # Matmuls of the training step: bf16 under autocast with fp32 master weights and fp32 losses, or
     # fp32 throughout; auto: bf16 where the device multiplies bf16 natively (medusa.decoding.hardware).
@@ -200,9 +203,14 @@ def _make_head(cfg: FeatureTrainConfig, hf, feats: Features):
                              base_model=str(getattr(hf, "name_or_path", cfg.model)))
     torch.manual_seed(cfg.seed)
     head = FeatureHead(hcfg, hf, ids).float()
-    full_to_draft = torch.full((hcfg.vocab_size,), -1, dtype=torch.long)
+    return head, draft_map(hcfg.vocab_size, ids)
+
+
+def draft_map(vocab_size: int, ids: torch.Tensor) -> torch.Tensor:
+    """[vocab_size] long: each full token id's index in the draft vocabulary `ids` (-1: outside it)."""
+    full_to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
     full_to_draft[ids] = torch.arange(len(ids))
-    return head, full_to_draft
+    return full_to_draft
 
 
 def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare_only: bool = False) -> dict:
@@ -238,6 +246,27 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
     atomic_dir(out, fill)
     return {"run_dir": str(Path(cfg.run_dir)), "head_dir": str(out), "step": step, "trained_tokens": trained,
             "train_seconds": train_seconds, "eval": report}
+
+
+def evaluate_saved(cfg: FeatureTrainConfig, head_dir: str | Path) -> dict:
+    """Measure the head in `head_dir` again on `cfg`'s held-out split (e.g. at more draft steps) and
+    rewrite its eval.json, keeping what the training recorded there (steps, trained positions)."""
+    from medusa.decoding.feature_heads import FeatureHead
+    from medusa.decoding.model import load_target
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    hf, tokenizer = load_target(cfg.model, cfg.dtype, "cpu" if not torch.cuda.is_available() else None)
+    hf.eval().requires_grad_(False)
+    _, held = split_groups(cfg, _chunks(cfg, load_examples(cfg, tokenizer)))
+    head = FeatureHead.load(head_dir, hf).float()
+    full_to_draft = draft_map(head.config.vocab_size, head.draft_ids)
+    path = Path(head_dir) / "eval.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    report = {k: v for k, v in old.items() if k in ("step", "trained_tokens", "extract_seconds")}
+    report = evaluate_head(head, cfg, hf, feature_fn(hf, cfg.head.feature_layers), held, full_to_draft) | report
+    write_json_atomic(path, report)
+    return report
 
 
 def step_autocast(precision: str, device: torch.device) -> torch.autocast:
@@ -342,7 +371,7 @@ def evaluate_head(head, cfg: FeatureTrainConfig, hf, fn, held: list[dict], full_
         return {}
     head.eval()
     feats = extract(held, fn)
-    steps = cfg.loss.unroll
+    steps = max(cfg.loss.unroll, cfg.eval_steps)
     k = cfg.eval_topk
     hits = torch.zeros(steps, k)
     counts = torch.zeros(steps)
