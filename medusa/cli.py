@@ -90,7 +90,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     own_heads = mode is None or mode.kind in MERGEABLE  # the others draft without the runtime's heads
     rt = Runtime.load(args.model, args.heads if own_heads else "none", args.dtype, args.device,
-                      retrieval=args.retrieval == "on", datastore=args.datastore)
+                      retrieval=args.retrieval == "on", datastore=args.datastore,
+                      batch_invariant=args.batch_invariant == "on")
     prompts = rt.encode(args.prompt, raw=args.raw)
     auto = rt.auto(len(prompts)) if mode is None else None
     proposer = rt.proposer(mode, args.tree) if mode is not None else None

@@ -107,3 +107,11 @@ def rt(tokenizer):
     from test_serve import tiny_runtime
 
     return tiny_runtime(tokenizer)
+
+
+def without_gate(auto) -> None:
+    """Auto mode that never pauses speculation: its gate times steps, and on a busy machine a slow step may
+    pause it, which tests of what auto mode plans and decodes do not check."""
+    from medusa.runtime.gate import AcceptanceGate
+
+    auto.gate = AcceptanceGate(window=1 << 20, min_tau=0.0, retry_after_steps=1)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import hf_greedy, without_gate
 from medusa.cli import main
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
 from medusa.decoding.model import embedded_gguf, resolve_model_dir
@@ -103,6 +103,7 @@ def test_auto_mode_plans_from_the_shipped_heads_and_decodes_losslessly(embedded,
         pytest.skip("no shipped heads for the embedded model")
     auto = rt.auto(2, progress=False)
     assert auto is not None and auto.predicted
+    without_gate(auto)
     plan = auto.plan(1)
     assert plan.reason and (plan.tree is None or plan.speedup >= 1.05)
     assert json.loads((tmp_path / "curve.json").read_text())["key"]["dtype"] == "fp32"

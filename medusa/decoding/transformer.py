@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from medusa.errors import MedusaError
+from medusa.decoding import invariant
 from medusa.decoding.attention import attention, pass_mask, short_block_bias
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
@@ -99,6 +100,8 @@ class Transformer(nn.Module):
         self.rotary = inner.rotary_emb
         self.lm_head = packed_linear(hf_model.lm_head)
         self.layers = nn.ModuleList(DecoderLayer(layer, self.head_dim) for layer in inner.layers)
+        # Batch-invariant attention (`medusa.decoding.invariant`): a row's results do not depend on the pass.
+        self.invariant = False
 
     @property
     def device(self) -> torch.device:
@@ -112,6 +115,8 @@ class Transformer(nn.Module):
         # Small batches on CPU keep K/V in fp32, the dtype their attention runs in (see FP32_ATTENTION_ROWS):
         # converting each layer's K/V window at every step would cost more than the attention itself.
         dtype = cache_dtype(self.device.type, self.dtype, rows)
+        if self.invariant:  # its attention reads whole groups of slots
+            capacity = invariant.window(capacity, 1 << 62)
         return KVCache(len(self.layers), rows, self.n_kv, capacity, self.head_dim, dtype, self.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
@@ -150,7 +155,12 @@ class Transformer(nn.Module):
         if window > cache.capacity:
             raise MedusaError(f"sequence of {window} tokens exceeds the cache capacity {cache.capacity}; "
                               f"lower --max-new-tokens or shorten the prompt")
-        mask, bias = self._pass_masks(lens, block_mask, t, window, cache.data.dtype)
+        if self.invariant:
+            window = invariant.window(window, cache.capacity)
+            mask = pass_mask(lens, block_mask, window)
+            mask, bias = invariant.plan(lens, mask, block_mask, self.n_heads // self.n_kv), None
+        else:
+            mask, bias = self._pass_masks(lens, block_mask, t, window, cache.data.dtype)
         slots = lens[:, None] + torch.arange(t, device=tokens.device)  # where this block's K/V go
         x = self.embed(tokens)
         rope = rope_tables(*self.rotary(x, positions))
@@ -223,6 +233,8 @@ class DecoderLayer(nn.Module):
         # K and V of this block go after each row's prefix: they lie side by side in qkv, so one write
         # stores both.
         kv[:, row_idx, :, slots] = qkv[:, :, nq:].unflatten(2, (2, nkv)).to(kv.dtype)
+        if isinstance(mask, invariant.InvariantPlan):
+            return invariant.attention(qkv[:, :, :nq], kv[0], kv[1], mask, self.scale)
         return attention(qkv[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:

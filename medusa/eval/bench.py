@@ -30,6 +30,8 @@ def add_parser(sub) -> None:
                                                 "(default: the heads' default tree)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,bf16,fp16,fp32}")
     p.add_argument("--device", default=None)
+    p.add_argument("--batch-invariant", default="off", choices=["on", "off"],
+                   help="time batch-invariant decoding (see `medusa generate --help`)")
     p.add_argument("--prompts", default="mtbench", help="mtbench, sharegpt or a file")
     p.add_argument("--num-prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    rt = Runtime.load(args.model, args.heads, args.dtype, args.device)
+    rt = Runtime.load(args.model, args.heads, args.dtype, args.device, batch_invariant=args.batch_invariant == "on")
     if rt.heads is None and rt.feature is None:
         # Untrained heads (zero blocks) cost exactly what trained ones cost; only tau is meaningless.
         print("note: no heads for this model, Medusa runs with untrained heads (speed only, tau meaningless)")

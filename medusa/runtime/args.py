@@ -17,6 +17,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,bf16,fp16,fp32}",
                    help="auto (default): bf16 where the hardware multiplies it natively, fp32 elsewhere")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--batch-invariant", default="off", choices=["on", "off"],
+                   help="on: a row's tokens never depend on the other rows, tree or pass shape it is decoded in, "
+                        "so greedy speculative decoding equals plain decoding bit for bit in bf16 too (CPUs whose "
+                        "kernels pass the check; costs speed, see docs/engine.md)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

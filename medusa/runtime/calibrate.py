@@ -211,7 +211,7 @@ def run(args) -> int:
     sizes = args.batch_sizes
     if args.threads:
         torch.set_num_threads(args.threads)
-    rt = Runtime.load(args.model, args.heads, args.dtype, args.device)
+    rt = Runtime.load(args.model, args.heads, args.dtype, args.device, batch_invariant=args.batch_invariant == "on")
     cal = load_or_measure(rt, sizes, force=args.force, progress=not args.json)
     auto = rt.auto(max(sizes), progress=False)
     plans = [auto.plan(b).to_dict() for b in sizes] if auto is not None else []

@@ -49,13 +49,22 @@ class Runtime:
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, heads: str | None = "default", dtype: str = "auto",
-             device: str | None = None, retrieval: bool = True, datastore: str | None = None) -> "Runtime":
+             device: str | None = None, retrieval: bool = True, datastore: str | None = None,
+             batch_invariant: bool = False) -> "Runtime":
         """The model, its heads (`--heads`), dtype and device; `retrieval`: auto mode also drafts from the
-        text itself; `datastore`: a corpus retrieval drafts from too (`medusa datastore build`)."""
+        text itself; `datastore`: a corpus retrieval drafts from too (`medusa datastore build`);
+        `batch_invariant`: a row's tokens never depend on the pass it is in (`medusa.decoding.invariant`)."""
         device = torch.device(device or default_device())
         choice = resolve_dtype(dtype, device, announce=True)
         hf_model, tokenizer = load_target(model, choice.torch, device)
         transformer = Transformer(hf_model)
+        if batch_invariant:
+            from medusa.decoding.invariant import probe
+
+            why = probe(str(device), choice.torch)
+            if why is not None:
+                raise MedusaError(f"--batch-invariant on: {why}; run without it (the default)")
+            transformer.invariant = True
         from medusa.runtime.feature import resolve_feature
 
         feature = resolve_feature(heads, hf_model)

@@ -53,7 +53,8 @@ class App(FastAPI):
 def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -> FastAPI:
     """The FastAPI app; builds the runtime from `cfg` unless one is given (tests pass tiny models)."""
     if rt is None:
-        rt = Runtime.load(cfg.model, cfg.heads, cfg.dtype, cfg.device, cfg.retrieval, cfg.datastore)
+        rt = Runtime.load(cfg.model, cfg.heads, cfg.dtype, cfg.device, cfg.retrieval, cfg.datastore,
+                          batch_invariant=cfg.batch_invariant)
     if draft is None and cfg.draft:
         draft = load_draft(cfg, rt)
     server = Server(cfg, rt, draft)

@@ -36,6 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "a prefill pass takes at most --prefill-stall x a decode pass; long prompts go in chunks)")
     p.add_argument("--prefill-stall", type=float, default=None, metavar="X",
                    help="auto prefill: a prefill pass may take X times the running rows' decode pass (default 1)")
+    p.add_argument("--batch-invariant", default=None, choices=["on", "off"],
+                   help="a request's tokens never depend on the others in its batch, in bf16 too (config "
+                        "batch_invariant, default off: it costs speed)")
     p.add_argument("--chunked-prefill", default=None, choices=["on", "off"],
                    help="prefill prompts longer than the budget in chunks between steps (default on)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* (default: "
@@ -61,6 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in keys}
     overrides["retrieval"] = None if args.retrieval is None else args.retrieval == "on"
     overrides["chunked_prefill"] = None if args.chunked_prefill is None else args.chunked_prefill == "on"
+    overrides["batch_invariant"] = None if args.batch_invariant is None else args.batch_invariant == "on"
     cfg = load_config(args.config, overrides)
     if args.policy or args.cost_model:
         policy = cfg.policy.model_dump()

@@ -67,6 +67,9 @@ class ServeConfig(BaseModel):
     retrieval: bool = True
     datastore: str | None = None  # a corpus retrieval also drafts from (`medusa datastore build`)
     dtype: str = "auto"  # auto: bf16 where the hardware multiplies it natively, fp32 elsewhere
+    # A request's tokens never depend on the other requests in its batch (medusa.decoding.invariant): greedy
+    # streams equal their solo runs and seeded sampling its n=1 run, in bf16 too; costs speed.
+    batch_invariant: bool = False
     device: str | None = None
     # torch CPU threads of the engine. Default on CPU: all cores but one. The HTTP side (event loop,
     # SSE writes) and local clients need a core; engine threads that share cores with them stall at

@@ -1,0 +1,215 @@
+"""Batch invariance (`medusa.decoding.invariant`): with it on, a row's bits never depend on the pass around it,
+op by op and end to end, in bf16.
+
+The guarantee rests on how this machine's kernels round; `invariant.probe` measures that, and where it fails
+the flag is refused (checked here on every machine). The identity checks run where the probe passes, which
+their skip message says when it does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import mixed_prompts, random_heads, tiny_model
+from medusa.decoding import invariant
+from medusa.decoding.attention import pass_mask
+from medusa.decoding.engine import Engine
+from medusa.decoding.transformer import RMSNorm, Transformer, causal
+from medusa.errors import MedusaError
+
+WHY = invariant.probe("cpu", torch.bfloat16)
+needs_invariance = pytest.mark.skipif(WHY is not None, reason=f"batch invariance unavailable here: {WHY}")
+H, KV, D = 9, 3, 64  # the embedded model's attention shape
+
+
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """[T, T] visibility of a tree given each node's parent (-1: the root)."""
+    t = len(parents)
+    vis = torch.eye(t, dtype=torch.bool)
+    for j, p in enumerate(parents):
+        while p >= 0:
+            vis[j, p] = True
+            p = parents[p]
+    return vis
+
+
+def attend(rows: list[tuple[torch.Tensor, torch.Tensor, int]], q: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
+    """Invariant attention of q [B, T, H, D] for rows (k [KV, L+T, D], v, L): the block's K/V follow each
+    row's L committed entries. -> [B, T, H*D] (fp32: no rounding hides a difference)."""
+    lens = torch.tensor([n for _, _, n in rows])
+    w = invariant.window(int(lens.max()) + q.shape[1], 1 << 30)
+    k = torch.zeros(len(rows), KV, w, D)
+    v = torch.zeros(len(rows), KV, w, D)
+    for i, (kk, vv, _) in enumerate(rows):
+        k[i, :, : kk.shape[1]], v[i, :, : vv.shape[1]] = kk, vv
+    plan = invariant.plan(lens, pass_mask(lens, vis, w), vis, H // KV)
+    return invariant.attention(q, k, v, plan, D ** -0.5)
+
+
+@needs_invariance
+@pytest.mark.parametrize("length", [40, 62, 63, 64, 200])
+def test_attention_gives_a_query_the_same_bits_in_every_pass(length):
+    """Row 0's query at position `length` + 2 with keys 0..length + 2: decoded alone, as the last token of a
+    chunk among other rows, and as a tree node among siblings (its path stored out of depth order, across
+    a group boundary where the length allows), alone and among rows of other lengths."""
+    g = torch.Generator().manual_seed(length)
+    p = length + 2
+    k, v = torch.randn(KV, p + 1, D, generator=g), torch.randn(KV, p + 1, D, generator=g)
+    q = torch.randn(1, 1, H, D, generator=g)
+    others = [(torch.randn(KV, n + 8, D, generator=g), torch.randn(KV, n + 8, D, generator=g), n) for n in (5, 130, 64)]
+    alone = attend([(k, v, p)], q, causal(1, "cpu"))[0, 0]
+    # A chunk of 3 (positions p-2..p) in a batch of 4 rows.
+    qc = torch.randn(4, 3, H, D, generator=g)
+    qc[0, 2] = q[0, 0]
+    chunk = attend([(k, v, p - 2)] + others, qc, causal(3, "cpu"))[0, 2]
+    # A tree at length p - 2: node 4 (depth 2) has path root(0) -> node 2 -> node 4; nodes 1 and 3 are
+    # siblings holding other keys. Its K/V: slot L + index.
+    parents = [-1, 0, 0, 1, 2, 4]
+    kt, vt = torch.randn(KV, p + 4, D, generator=g), torch.randn(KV, p + 4, D, generator=g)
+    base = p - 2
+    kt[:, :base], vt[:, :base] = k[:, :base], v[:, :base]
+    for node, depth in ((0, 0), (2, 1), (4, 2)):
+        kt[:, base + node], vt[:, base + node] = k[:, base + depth], v[:, base + depth]
+    qt = torch.randn(4, 6, H, D, generator=g)
+    qt[:, 4] = q[0, 0]
+    vis = tree_mask(parents)
+    tree_alone = attend([(kt, vt, base)], qt[:1], vis)[0, 4]
+    tree_batch = attend([(kt, vt, base)] + others, qt, vis)[0, 4]
+    for name, got in (("chunk", chunk), ("tree alone", tree_alone), ("tree in a batch", tree_batch)):
+        assert torch.equal(got, alone), f"{name}: max difference {(got - alone).abs().max():.3g}"
+
+
+@needs_invariance
+def test_projections_norms_and_logits_give_a_row_the_same_bits_among_others():
+    """The bf16 layers around attention: a row alone and among 2..64 rows of others."""
+    model = tiny_model(seed=2).to(torch.bfloat16)
+    tr = Transformer(model)
+    layer = tr.layers[0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 64, model.config.hidden_size, generator=g).bfloat16()
+    ops = {"qkv": layer.wqkv.forward, "o_proj + residual": lambda a: layer.wo.plus(a[..., : layer.nq * layer.head_dim], a),
+           "mlp": layer.mlp, "rmsnorm": tr.norm.forward, "lm_head": tr.lm_head.forward,
+           "norm (stock)": RMSNorm(model.model.norm).forward}
+    for name, op in ops.items():
+        alone = op(x[:, :1])
+        for rows in (2, 3, 7, 16, 33, 64):
+            assert torch.equal(op(x[:, :rows])[:, :1], alone), f"{name} with {rows} rows"
+
+
+def decode(engine: Engine, prompts: list[list[int]], limits: list[int], proposer, late: int = 0) -> list[list[int]]:
+    """Greedy tokens of each prompt decoded together, each to its own limit (rows leave as they finish);
+    the last `late` prompts join the running batch after three steps."""
+    from medusa.decoding.transformer import cache_capacity
+
+    capacity = cache_capacity(max(len(p) for p in prompts), max(limits), proposer.tree.size if proposer else 1)
+    batch = engine.new_batch(len(prompts), capacity, max(limits))
+    if proposer is not None:
+        proposer.attach(batch)
+    first = len(prompts) - late
+    outs = [engine.add(batch, list(range(first)), prompts[:first], limits[:first])]
+    done: dict[int, list[int]] = {}
+    for step in range(10_000):
+        for f in outs[-1].finished:
+            done[f.id] = f.tokens
+        if len(done) == len(prompts):
+            return [done[i] for i in range(len(prompts))]
+        if step == 3 and late:
+            outs.append(engine.add(batch, list(range(first, len(prompts))), prompts[first:], limits[first:]))
+            continue
+        outs.append(engine.step(batch, proposer))
+    raise AssertionError("decoding did not finish")
+
+
+@needs_invariance
+def test_greedy_speculation_equals_plain_decoding_in_bf16_alone_and_batched():
+    """Tiny random bf16 model: each prompt's plain tokens alone equal its tokens among others (rows of other
+    lengths leaving early, one joining late) under a static Medusa tree, a dynamic tree, lookup and a draft."""
+    from medusa.decoding.draft import DraftModel, DraftProposer
+    from medusa.decoding.dynamic_tree import MedusaDynamicProposer
+    from medusa.decoding.lookup import LookupProposer
+    from medusa.decoding.proposers import MedusaProposer
+
+    model = tiny_model(seed=5).to(torch.bfloat16)
+    tr = Transformer(model)
+    tr.invariant = True
+    engine = Engine(tr, eos_token_ids=None)
+    heads = random_heads(model, num_heads=3, seed=5)
+    prompts = mixed_prompts(5, seed=11)
+    limits = [40, 9, 23, 40, 5]
+    alone = [decode(engine, [p], [n], None)[0] for p, n in zip(prompts, limits)]
+    draft = DraftModel.of(Transformer(tiny_model(seed=9).to(torch.bfloat16)))
+    proposers = {"plain": None, "medusa tree": MedusaProposer(heads, "tree-8"),
+                 "dynamic tree": MedusaDynamicProposer(heads, 8, 3, 3),
+                 "lookup": LookupProposer(k=4), "draft": DraftProposer(draft, 3)}
+    for name, proposer in proposers.items():
+        for order, late in (([0, 1, 2, 3, 4], 1), ([3, 0], 0), ([4, 2, 1], 1)):
+            got = decode(engine, [prompts[i] for i in order], [limits[i] for i in order], proposer, late)
+            assert got == [alone[i] for i in order], f"{name}, rows {order}"
+
+
+def test_the_flag_is_refused_where_the_kernels_do_not_keep_their_order(monkeypatch):
+    """A machine whose kernels fail the probe gets a one-line error naming the flag, not a weaker promise."""
+    from medusa.runtime import Runtime
+
+    monkeypatch.setattr(invariant, "probe", lambda device, dtype: "this CPU's kernels round by shape")
+    with pytest.raises(MedusaError, match=r"^--batch-invariant on: this CPU's kernels round by shape"):
+        Runtime.load("default", "none", "fp32", "cpu", batch_invariant=True)
+
+
+def test_the_probe_notices_a_broken_order(monkeypatch):
+    """The probe compares bits: without the regrouping of a tree's nodes it reports the difference."""
+    monkeypatch.setattr(invariant, "tail_sums", lambda *a: None)
+    invariant.probe.cache_clear()
+    try:
+        assert invariant.probe("cpu", torch.float32) is not None
+    finally:
+        invariant.probe.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def bf16_rt():
+    from medusa.runtime import Runtime
+
+    if WHY is not None:
+        pytest.skip(f"batch invariance unavailable here: {WHY}")
+    return Runtime.load("default", "default", "bf16", "cpu", batch_invariant=True)
+
+
+def test_the_embedded_model_in_bf16_decodes_every_way_to_the_same_tokens(bf16_rt):
+    """The shipped model and heads in bf16 (where batch shape changed tokens within a few dozen): plain alone,
+    plain batched, the feature heads' dynamic tree and the Medusa heads' tree, batched, all agree."""
+    rt = bf16_rt
+    prompts = rt.encode(["Write a short story about a lighthouse keeper.", "Explain how vaccines work.",
+                         "Give me three tips for learning a new language, with examples."])
+    alone = [rt.engine.generate([p], 40).outputs[0].tokens for p in prompts]
+    for spec, tree in (("plain", None), ("medusa", "dynamic-16x5"), ("medusa", "tree-16")):
+        if spec == "medusa" and tree == "tree-16" and rt.heads is None:
+            continue
+        got = [o.tokens for o in rt.engine.generate(prompts, 40, rt.proposer(spec, tree)).outputs]
+        assert got == alone, f"{spec} {tree or ''}"
+
+
+def test_served_greedy_streams_do_not_depend_on_other_traffic(bf16_rt):
+    """bf16 server under the dynamic policy: 16 concurrent greedy streams each equal their prompt decoded
+    alone (plain or speculative steps, as load decides)."""
+    import asyncio
+
+    import openai
+
+    from test_serve import serve
+
+    rt = bf16_rt
+    jobs = [(f"Tell me about topic {i}: " + ["the sea", "mountains", "bread", "music"][i % 4], 8 + (i * 5) % 17)
+            for i in range(16)]
+    want = [rt.decode(rt.engine.generate(rt.encode([p], raw=True), n).outputs[0].tokens) for p, n in jobs]
+
+    async def main(url: str):
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+            return await asyncio.gather(*(c.completions.create(model="default", prompt=p, max_tokens=n)
+                                          for p, n in jobs))
+
+    policy = {"mode": "dynamic", "calibrate": False, "high_watermark": 12, "low_watermark": 6,
+              "trees": {1: "dynamic-8x3", 4: "dynamic-4x2"}}
+    with serve(rt, policy=policy, max_queue=64, max_context=256) as url:
+        got = asyncio.run(main(url))
+    assert [r.choices[0].text for r in got] == want
