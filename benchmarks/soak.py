@@ -66,7 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disconnect", type=float, default=0.10, help="fraction of streams dropped mid-way")
     p.add_argument("--oversized", type=float, default=0.05, help="fraction of bodies over the size limit")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    p.add_argument("--warmup", type=float, default=15.0, help="seconds of the same traffic before the baseline")
+    p.add_argument("--warmup", type=float, default=None, help="seconds of the same traffic before the baseline "
+                   "(default: a tenth of the traffic, at least 15 s: the allocator keeps the largest shapes "
+                   "it has served, so the baseline waits until the traffic's shapes have all come by)")
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--memory-tolerance", type=float, default=0.05)
@@ -76,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.minutes is not None:
         args.duration = 60 * args.minutes
         args.max_requests = max(args.max_requests, int(args.duration * 20))
+    if args.warmup is None:
+        args.warmup = max(15.0, args.duration / 10)
     return args
 
 
