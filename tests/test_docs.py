@@ -210,3 +210,43 @@ def test_the_installed_command_runs():
     assert proc.returncode == 0, proc.stderr[-2000:]
     for sub in documented():
         assert not sub or sub.split()[0] in proc.stdout, f"`medusa --help` does not list {sub}"
+
+
+# Runs `medusa ARGS...` for each JSON line of stdin in one process (the model loads once per command, but the
+# interpreter and imports only once); auto mode's calibration is kept short and out of the user's cache.
+RUN_DRIVER = r"""
+import contextlib, io, json, sys
+from pathlib import Path
+import medusa.runtime.calibrate as cal
+cal.TOKENS, cal.REPEATS = [1, 2, 4, 8], 1
+cal.calibration_path = lambda key: Path(sys.argv[1]) / "curve.json"
+from medusa.cli import main
+out = []
+for line in sys.stdin.read().splitlines():
+    args = json.loads(line)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        try:
+            code = main(args)
+        except SystemExit as exc:
+            code = exc.code
+    out.append([args, code if isinstance(code, int) else (0 if code is None else 1), buf.getvalue()[-1500:]])
+print(json.dumps(out))
+"""
+
+
+def test_documented_generate_commands_run(tmp_path):
+    """Every `medusa generate` the pages show runs as shown (cut to 2 new tokens), except those reading what a
+    training or build command elsewhere in the pages writes under runs/."""
+    shown = {tuple(args) for page in pages() for lang, body in shell_blocks(page.read_text())
+             for command in commands(lang, body) if (args := medusa_args(command)) and args[0] == "generate"}
+    runnable = sorted(a for a in shown if not any(word.startswith("runs/") for word in a))
+    assert len(runnable) >= 6, runnable
+    lines = "\n".join(json.dumps([*a, "--max-new-tokens", "2"]) for a in runnable)
+    proc = subprocess.run([sys.executable, "-c", RUN_DRIVER, str(tmp_path)], input=lines, cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == len(runnable)
+    failed = [f"medusa {' '.join(args)} -> exit {code}: {out}" for args, code, out in results if code != 0]
+    assert not failed, "\n".join(failed)
