@@ -192,6 +192,9 @@ def test_calibration_is_measured_once_and_reused(tmp_path, monkeypatch):
     assert again.grid == first.grid and again.path == first.path
     # Another dtype is another machine state: a file of its own.
     assert calibrate.calibration_path(calibrate.calibration_key(tiny_runtime(torch.bfloat16))) != first.path
+    invariant = tiny_runtime()
+    invariant.model.invariant = True  # batch-invariant attention has pass costs of its own
+    assert calibrate.calibration_path(calibrate.calibration_key(invariant)) != first.path
     data = json.loads(first.path.read_text())
     assert data["key"]["dtype"] == "fp32" and data["key"]["machine"]["device"] == "cpu"
 

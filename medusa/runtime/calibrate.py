@@ -99,14 +99,16 @@ class Calibration:
 
 
 def calibration_key(rt) -> dict:
-    """What a pass's cost depends on: the model's shape, the dtype, the device, the threads, the machine."""
+    """What a pass's cost depends on: the model's shape, the dtype, the device, the threads, the machine, and
+    whether attention is batch-invariant (its own, dearer kernels)."""
     cfg = rt.hf_model.config
     heads = rt.heads.config if rt.heads is not None else None
     return {"model": str(getattr(rt.hf_model, "name_or_path", "")),
             "shape": [cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size,
                       cfg.num_attention_heads, cfg.num_key_value_heads],
             "dtype": rt.dtype.name, "machine": rt.machine.to_dict(), "torch": torch.__version__,
-            "heads": None if heads is None else [heads.num_heads, heads.num_layers, heads.candidates]}
+            "heads": None if heads is None else [heads.num_heads, heads.num_layers, heads.candidates],
+            **({"batch_invariant": True} if rt.model.invariant else {})}
 
 
 def calibration_path(key: dict) -> Path:
