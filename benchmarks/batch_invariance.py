@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speed-prompts", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-compare", action="store_true", help="speed only (on a quiet machine)")
     ap.add_argument("--json", default="benchmarks/results/batch-invariance.json")
     args = ap.parse_args(argv)
     if args.threads:
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"cpu": {"model": machine(rt.model.device).name, "machine": platform.machine(),
                       "threads": torch.get_num_threads(), "native_bf16": machine(rt.model.device).native_bf16},
               "dtype": "bf16", "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "settings": {}}
-    for inv in (True, False):
+    for inv in () if args.no_compare else (True, False):
         rt.model.invariant = inv
         print(f"batch invariance {'on' if inv else 'off'}", flush=True)
         reference = [rt.engine.generate([p], args.max_new_tokens).outputs[0].tokens for p in prompts]
