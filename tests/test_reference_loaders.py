@@ -38,7 +38,12 @@ from train_helpers import VOCAB, save_tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 DRIVERS = Path(__file__).resolve().parent / "reference"
 NEW_TOKENS = 24
-TOL = 1e-4
+TOL = 1e-4  # the same head on the same hidden states: only summation order differs
+# Their base model against ours, relative to the hidden states' largest value: two implementations of the model
+# (transformers 4.x and their own attention code against transformers 5 and SDPA), whose kernels differ by CPU.
+# They agree to ~5e-7 of the scale on an AVX-512 Xeon and to ~2.5e-4 on another CI machine; a weight read in
+# the wrong layout (a rotary permutation, a transposed projection) is off by the order of the scale itself.
+BASE_RTOL = 2e-3
 
 # ---- 1. vLLM's Medusa layout ---------------------------------------------------------------------------------
 # How vLLM's Medusa model (vllm/model_executor/models/medusa.py, `Medusa.__init__` and `load_weights`, at
@@ -373,13 +378,15 @@ def test_safeailab_eagle_reads_the_eagle_export(tmp_path):
 
 
 def _check_logits_and_decoding(name: str, answer: dict, key: str, ours, model, target) -> None:
-    """Their `key` logits and their base model's last hidden state against ours (within TOL), and their own
-    decoding loop's output against plain greedy decoding."""
+    """Their `key` logits (within TOL) and their base model's last hidden state (within BASE_RTOL) against ours,
+    and their own decoding loop's output against plain greedy decoding."""
     diff = (answer[key] - ours).abs().max().item()
-    base_diff = (answer["base_hidden"] - _last_hidden(model, target["prompts"][0])).abs().max().item()
+    base = _last_hidden(model, target["prompts"][0])
+    base_diff = (answer["base_hidden"] - base).abs().max().item() / base.abs().max().item()
     _report(name, versions=answer["versions"], **{f"{key}_max_abs_diff": f"{diff:.3g}"},
-            base_hidden_max_abs_diff=f"{base_diff:.3g}", steps=answer["steps"],
+            base_hidden_max_rel_diff=f"{base_diff:.3g}", steps=answer["steps"],
             tokens=[len(g) for g in answer["generated"]])
     assert answer[key].shape == ours.shape
-    assert diff <= TOL and base_diff <= TOL
+    assert diff <= TOL, f"their {key} differ from ours by {diff:.3g} (> {TOL})"
+    assert base_diff <= BASE_RTOL, f"their base model's hidden states differ from ours by {base_diff:.3g} of the scale"
     _check_generated(answer, target)
