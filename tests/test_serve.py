@@ -205,7 +205,7 @@ def test_dynamic_policy_switches_by_load(rt, tokenizer):
     app = create_app(ServeConfig(dtype="fp32", max_batch=8, max_context=512, max_queue=64,
                                  policy=DYNAMIC_POLICY), rt)
     sched = app.state.server.scheduler
-    submit, decide = sched.submit, sched.policy.decide
+    submit, decide = sched.admission.submit, sched.policy.decide
     submitted, everyone_queued, decisions = [], threading.Event(), []
 
     def counting_submit(*reqs):
@@ -217,13 +217,13 @@ def test_dynamic_policy_switches_by_load(rt, tokenizer):
     def recording_decide(running: int, queued: int):
         if not decisions:
             assert everyone_queued.wait(CLIENT_TIMEOUT), "not every request reached the queue"
-            with sched.cond:  # what is queued now: the scheduler counted before the last ones arrived
-                queued = len(sched.queue)
+            with sched.admission.cond:  # what is queued now: the scheduler counted before the last arrived
+                queued = len(sched.admission)
         decision = decide(running, queued)
         decisions.append((running + queued, decision))
         return decision
 
-    sched.submit, sched.policy.decide = counting_submit, recording_decide
+    sched.admission.submit, sched.policy.decide = counting_submit, recording_decide
 
     async def one(c: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> int:
         r = await c.completions.create(model="default", prompt=prompt, max_tokens=max_tokens)
@@ -595,12 +595,12 @@ def test_prefill_budget_spreads_admission_over_steps(rt):
     lengths = [20, 20, 20, 5, 150, 10]
     events = {n: [] for n in lengths}
     for n in lengths:
-        sched.submit(Request(list(range(1, n + 1)), 40, events[n].append))
+        sched.admission.submit(Request(list(range(1, n + 1)), 40, events[n].append))
     rounds = []
-    while sched.queue or sched.prefilling:
-        with sched.cond:  # a boundary's budget: 64 tokens less the decode pass's (1 per running row)
+    while sched.admission or sched.prefilling:
+        with sched.admission.cond:  # a boundary's budget: 64 tokens less the decode pass's (1 per running row)
             whole, chunked = sched._take_admissible(sched.budget.tokens(sched.batch.n, sched.width))
-        sched.queue.extendleft(reversed(whole + ([chunked] if chunked else [])))
+        sched.admission.queue.extendleft(reversed(whole + ([chunked] if chunked else [])))
         got_token = len(events[20])
         sched.boundary()
         rounds.append([len(r.prompt) for r in whole] or [sched.batch.pending.done if sched.batch.pending else 150])
@@ -620,9 +620,9 @@ def test_a_long_prompt_on_an_idle_server_is_prefilled_in_chunks_of_its_own(rt):
     sched.batch = sched.new_batch()
     prompt = [(7 * i) % 500 + 1 for i in range(150)]
     events = []
-    sched.submit(Request(prompt, 6, events.append))
+    sched.admission.submit(Request(prompt, 6, events.append))
     chunks = []
-    while sched.prefilling is not None or sched.queue:
+    while sched.prefilling is not None or sched.admission:
         sched.boundary()
         chunks.append(sched.batch.pending.done if sched.batch.pending else len(prompt))
     assert chunks == [64, 128, 150] and sched.batch.n == 1 and events[0].kind == "delta"

@@ -55,10 +55,9 @@ class Collector:
 
 def submit_together(sched, reqs: list[Request]) -> None:
     """Queue the requests under the scheduler's lock, so they enter the batch in one prefill."""
-    with sched.cond:
-        for r in reqs:
-            sched.queue.append(r)
-        sched.cond.notify_all()
+    with sched.admission.cond:
+        sched.admission.queue.extend(reqs)
+        sched.admission.cond.notify_all()
 
 
 def make(tokenizer, prompt: str, tag: str, sampling: SamplingParams | None = None) -> tuple[Request, Collector]:
@@ -72,14 +71,14 @@ def make(tokenizer, prompt: str, tag: str, sampling: SamplingParams | None = Non
 def test_fault_in_one_row_mid_decode_leaves_the_other_rows_unchanged(rt, tokenizer, solo, monkeypatch):
     app = app_for(rt)
     sched = app.state.server.scheduler
-    detokenize = sched._detokenize
+    detokenize = sched.outcomes.detokenize
 
     def faulty(req: Request, final: bool) -> bool:
         if req.tag == "poison" and len(req.tokens) >= 4:  # a fault that appears mid-way through the row
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
         return detokenize(req, final)
 
-    monkeypatch.setattr(sched, "_detokenize", faulty)
+    monkeypatch.setattr(sched.outcomes, "detokenize", faulty)
     with running_server(app) as url:
         jobs = [make(tokenizer, p, "poison" if i == 1 else f"ok{i}") for i, p in enumerate(PROMPTS)]
         submit_together(sched, [r for r, _ in jobs])
@@ -237,21 +236,22 @@ def test_engine_fault_fails_the_batch_and_health_says_so(rt):
 
 def test_retry_after_follows_the_drain_rate(rt):
     sched = app_for(rt, max_batch=2).state.server.scheduler
+    admission = sched.admission
     now = time.monotonic()
-    assert sched.retry_after() == 1  # free rows: no wait
+    assert admission.retry_after() == 1  # free rows: no wait
     sched.running = {1: None, 2: None}
-    sched.queue.extend([None] * 5)
-    assert sched.retry_after() == 120  # nothing finished lately: no evidence of an early row
-    sched.completions.extend([now - 29.5 + 3 * i for i in range(10)])  # about one row freed every 3 s
-    assert sched.retry_after() == 18  # 6 ahead (5 queued + this one) at one per 3 s
-    sched.completions.clear()
-    sched.completions.extend([now - 2] * 5)  # a burst after an idle spell: 5 rows in the last 2 s
-    assert sched.retry_after() == 3  # 6 ahead at 2.5 per s, not at 5 per 30 s (36 s)
-    sched.completions.extend([now - 1] * 290)
-    assert sched.retry_after() == 1
-    sched.completions.clear()
-    sched.completions.extend([now - 60] * 100)  # outside the window: forgotten
-    assert sched.retry_after() == 120
+    admission.queue.extend([None] * 5)
+    assert admission.retry_after() == 120  # nothing finished lately: no evidence of an early row
+    admission.completions.extend([now - 29.5 + 3 * i for i in range(10)])  # about one row freed every 3 s
+    assert admission.retry_after() == 18  # 6 ahead (5 queued + this one) at one per 3 s
+    admission.completions.clear()
+    admission.completions.extend([now - 2] * 5)  # a burst after an idle spell: 5 rows in the last 2 s
+    assert admission.retry_after() == 3  # 6 ahead at 2.5 per s, not at 5 per 30 s (36 s)
+    admission.completions.extend([now - 1] * 290)
+    assert admission.retry_after() == 1
+    admission.completions.clear()
+    admission.completions.extend([now - 60] * 100)  # outside the window: forgotten
+    assert admission.retry_after() == 120
 
 
 @pytest.mark.parametrize("mode", ["plain", "medusa"])
@@ -279,11 +279,11 @@ def test_requests_joining_a_running_batch_get_their_solo_tokens(rt, tokenizer, m
         machine."""
         first(ev)
         while pending and len(runner.tokens) >= pending[0][0] and not runner.done:
-            sched.submit(pending.pop(0)[1])
+            sched.admission.submit(pending.pop(0)[1])
 
     runner = Request(tokenizer(long_prompt)["input_ids"], 30, runner_event, tag="runner")
     with running_server(app):
-        sched.submit(runner)
+        sched.admission.submit(runner)
         assert first.result().finish_reason == "length" and runner.tokens == want[long_prompt]
         assert not pending, "a joiner was never queued"
         assert all(req.first_token_at > runner.first_token_at for _, req, _ in jobs)  # joined mid-run

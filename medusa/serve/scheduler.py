@@ -1,12 +1,14 @@
-"""Continuous batching: one background thread drives `engine.step` over a batch that requests join and leave.
+"""Continuous batching: one background thread drives the engine over a batch that requests join and leave.
+
+Three parts, one responsibility each: `Admission` (medusa.serve.admission) is the queue the HTTP side
+submits to; `Scheduler` owns the engine thread and the batch rows; `Outcomes` (medusa.serve.outcomes) turns a
+row's new tokens into text and events for its client and ends each request once.
 
 Each loop iteration is one step boundary: drop cancelled and timed-out requests, prefill within the
 boundary's token budget (whole short prompts into free rows, or the next chunk of a long prompt, so running
-rows are never stalled behind long prompts; see `medusa.serve.prefill` and `medusa.serve.admission`), then
-run one decode step in the mode the speculation policy picks (`Engine.policy_step`). New tokens are
-detokenised incrementally per request; a stop string ends the request there (the row is removed from the batch and the string trimmed from the text). Results go back to
-the HTTP side through a callback per request that must be thread-safe (the app hands in
-`loop.call_soon_threadsafe`).
+rows are never stalled behind long prompts; see `medusa.serve.prefill`), then run one decode step in the
+mode the speculation policy picks (`Engine.policy_step`). Results go back to the HTTP side through a
+callback per request that must be thread-safe (the app hands in `loop.call_soon_threadsafe`).
 
 Failures are contained to the request that caused them where it can be told apart: a prefill that raises is
 retried one request at a time, so only the request that fails alone is refused; detokenising or delivering
@@ -20,8 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -30,40 +32,52 @@ from medusa.decoding.engine import Engine
 from medusa.decoding.outputs import StepOutput
 from medusa.decoding.proposers import Proposer
 from medusa.decoding.transformer import cache_capacity
+from medusa.errors import MedusaError
 from medusa.serve.admission import Admission
-from medusa.serve.detokenize import visible_text
 from medusa.serve.metrics import Metrics
+from medusa.serve.outcomes import Outcomes, keep_logprobs
 from medusa.serve.policy import MODES, Decision, SpeculationPolicy
 from medusa.serve.prefill import PrefillBudget
-from medusa.serve.request import Event, Request
+from medusa.serve.request import Request
 
 log = logging.getLogger("medusa.serve.scheduler")
 PROBE_INTERVAL_S = 2.0  # how often an idle, unhealthy engine tries a one-row probe decode
+T = TypeVar("T")
 
 
-class Scheduler(Admission):
+class Scheduler:
+    """The engine thread and the batch rows: what the HTTP side queued in `admission` is prefilled into rows,
+    decoded step by step, and ended through `outcomes`."""
+
     def __init__(self, engine: Engine, tokenizer: Any, policy: SpeculationPolicy, metrics: Metrics, *,
                  max_batch: int, max_context: int, max_queue: int, queue_timeout_s: float, budget: PrefillBudget,
                  chunked_prefill: bool = True):
         """`policy` chooses each step's proposer and sets up their per-row state in every new batch."""
-        self.engine, self.tokenizer, self.policy, self.metrics = engine, tokenizer, policy, metrics
-        self.max_batch, self.max_context = max_batch, max_context
-        self.max_queue, self.queue_timeout_s = max_queue, queue_timeout_s
-        self.budget, self.chunked_prefill = budget, chunked_prefill
+        self.engine, self.policy, self.metrics = engine, policy, metrics
+        self.max_batch, self.max_context, self.budget = max_batch, max_context, budget
+        self.admission = Admission(metrics, lambda: self.occupied, max_batch=max_batch, max_queue=max_queue,
+                                   queue_timeout_s=queue_timeout_s, chunked_prefill=chunked_prefill)
+        self.outcomes = Outcomes(tokenizer, metrics, self.admission.freed)
         self.width = 1  # tokens per row of the last decode pass (its tree's size)
         # Room past the longest request for the candidate block of one verification pass.
         self.capacity = cache_capacity(max_context, 1, policy.max_tree_size)
-        self.queue: deque[Request] = deque()
         self.running: dict[int, Request] = {}
-        self.prefilling: Request | None = None
-        self.cond = threading.Condition()
+        self.prefilling: Request | None = None  # the request whose prompt is being prefilled in chunks
         self.batch: Batch | None = None
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.steps = 0
-        self.completions: deque[float] = deque(maxlen=4096)  # monotonic times rows were freed
         self.fault: str | None = None  # set while the engine is unhealthy: what failed
         self.probed_at = 0.0
+
+    @property
+    def occupied(self) -> int:
+        """Rows taken: running requests and the one being prefilled in chunks."""
+        return len(self.running) + (self.prefilling is not None)
+
+    @property
+    def load(self) -> tuple[int, int]:
+        return self.occupied, len(self.admission)
 
     def start(self) -> None:
         self.batch = self.new_batch()
@@ -71,9 +85,9 @@ class Scheduler(Admission):
         self.thread.start()
 
     def stop(self) -> None:
-        with self.cond:
+        with self.admission.cond:
             self.stopping = True
-            self.cond.notify_all()
+            self.admission.cond.notify_all()
         if self.thread is not None:
             self.thread.join(timeout=30)
 
@@ -86,9 +100,9 @@ class Scheduler(Admission):
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while True:
-            with self.cond:
-                while not (self.stopping or self.queue or self.running or self.prefilling or self._probe_due()):
-                    self.cond.wait(timeout=0.5)
+            with self.admission.cond:
+                while not (self.stopping or self.admission or self.running or self.prefilling or self._probe_due()):
+                    self.admission.cond.wait(timeout=0.5)
                 if self.stopping:
                     break
             self.boundary()
@@ -97,7 +111,7 @@ class Scheduler(Admission):
     def boundary(self) -> None:
         """One step boundary: drop cancelled requests, prefill within the budget (whole prompts, or the
         next chunk of a long one), then one decode step over the running rows."""
-        with self.cond:
+        with self.admission.cond:
             tokens = self.budget.tokens(self.batch.n, self.width)
             admitted, chunked = self._take_admissible(tokens)
         try:
@@ -116,11 +130,125 @@ class Scheduler(Admission):
             self._engine_fault(exc)
         self._update_gauges()
 
+    # ---- prefill: queued requests into rows ---------------------------------------------------------
+    def _take_admissible(self, tokens: int) -> tuple[list[Request], Request | None]:
+        """Under the lock: end the queue entries that were cancelled or waited too long, then pop what this
+        boundary prefills within `tokens` prompt tokens (nothing while a long prompt is being chunked: it is
+        finished before the next starts)."""
+        cancelled, late = self.admission.expire()
+        for req in cancelled:
+            self.outcomes.finish(req, "cancelled")
+        for req in late:
+            self.outcomes.error(req, 503, f"request waited more than {self.admission.queue_timeout_s:g} s for a "
+                                "free slot (server busy); retry later", "server_busy", "queue_timeout")
+        if self.prefilling is not None:
+            return [], None
+        # Cancelled rows are dropped before this prefill, so their slots count as free.
+        free = self.batch.free + sum(1 for r in self.running.values() if r.cancelled)
+        return self.admission.take(max(free, 0), tokens)
+
+    def _drop_cancelled(self) -> None:
+        gone = [r for r in self.running.values() if r.cancelled]
+        if gone:
+            self.batch.remove([r.id for r in gone])
+            for r in gone:
+                del self.running[r.id]
+                self.outcomes.finish(r, "cancelled")
+        req = self.prefilling
+        if req is not None and req.cancelled:
+            self.engine.abandon(self.batch)
+            self.prefilling = None
+            self.outcomes.finish(req, "cancelled")
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        """Add requests to the batch; when that fails, add them one at a time so only the culprit fails."""
+        try:
+            out = self._add(reqs)
+        except Exception as exc:
+            if len(reqs) == 1:
+                self._refuse(reqs[0], exc)
+                return
+            log.warning("prefill of %d requests failed (%s: %s); admitting them one at a time", len(reqs),
+                        type(exc).__name__, exc)
+            for r in reqs:
+                self._prefill([r])
+            return
+        self.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in reqs))
+        self._deliver(out)
+
+    def _add(self, reqs: list[Request]) -> StepOutput:
+        for r in reqs:
+            self.running[r.id] = r
+        with self._undone_on_failure(reqs):
+            return self.engine.add(self.batch, [r.id for r in reqs], [r.prompt for r in reqs],
+                                   [r.max_tokens for r in reqs], sampling=[r.sampling for r in reqs],
+                                   logprobs=[r.logprobs for r in reqs])
+
+    def _begin(self, req: Request) -> None:
+        """Start prefilling a long prompt in chunks (`_advance`, or decode steps carrying them, run them)."""
+        try:
+            self.engine.begin(self.batch, req.id, req.prompt, req.max_tokens, req.sampling, req.logprobs)
+        except Exception as exc:
+            self._refuse(req, exc)
+            return
+        self.prefilling = req
+
+    def _advance(self, tokens: int) -> None:
+        """The next chunk of the prompt being prefilled, in a pass of its own (no row is decoding); a
+        failure refuses that request alone."""
+        req = self.prefilling
+        try:
+            self._chunked(lambda: self.engine.advance(self.batch, tokens), tokens)
+        except Exception as exc:
+            if self.prefilling is req:
+                self.engine.abandon(self.batch)
+                self.prefilling = None
+            self._refuse(req, exc)
+
+    def _chunked(self, run: Callable[[], T], tokens: int) -> T:
+        """Run what prefills the next at most `tokens` tokens of the chunked prompt (a pass of its own, or a
+        decode step carrying them); once the prompt is all in, the request runs and gets its first token."""
+        req, left = self.prefilling, self.batch.pending.left
+        out = run()
+        self.metrics.prompt_tokens.inc(min(tokens, left))
+        self.metrics.prefill_chunks.inc()
+        if self.batch.pending is not None and self.batch.pending.left == 0:
+            self.running[req.id] = req
+            with self._undone_on_failure([req]):
+                joined = self.engine.join(self.batch)
+            self.prefilling = None
+            self._deliver(joined)
+        return out
+
+    @contextmanager
+    def _undone_on_failure(self, reqs: list[Request]):
+        """A failed admission leaves the batch as it was: new rows go after the first n0, and only they can
+        finish inside the admission, so cutting the batch back to n0 rows undoes it."""
+        n0 = self.batch.n
+        try:
+            yield
+        except BaseException:
+            for r in reqs:
+                self.running.pop(r.id, None)
+                self.batch.logprobs.pop(r.id, None)
+            del self.batch.ids[n0:]
+            self.batch.n = n0
+            raise
+
+    def _refuse(self, req: Request, exc: Exception) -> None:
+        if isinstance(exc, MedusaError):  # the engine's own input check: the request's fault
+            self.outcomes.error(req, 400, str(exc), "invalid_request_error", None)
+            return
+        log.error("request %s failed in prefill", req.tag, exc_info=exc)
+        self.metrics.failures.labels("prefill").inc()
+        self.outcomes.error(req, 500, f"internal error while starting this request (request id {req.tag})",
+                            "server_error", None)
+
     def _decode(self, prefill: int = 0) -> None:
         """One decode step over the running rows in the policy's mode (`Engine.policy_step`), carrying
         `prefill` tokens of the chunked prompt."""
-        with self.cond:
-            self.policy.waiting(len(self.queue))
+        with self.admission.cond:
+            self.policy.waiting(len(self.admission))
         n, failures = self.batch.n, self.policy.failures
         start = time.perf_counter()
         run = lambda: self.engine.policy_step(self.batch, policy=self.policy, prefill=prefill)  # noqa: E731
@@ -170,33 +298,20 @@ class Scheduler(Admission):
                 new = tokens[i][: counts[i]]
                 if req.logprobs is not None and lp is not None:
                     keep_logprobs(req, new, lp, i)
-                if self._take(req, new, now, rid in finished):
+                if self.outcomes.tokens(req, new, now, rid in finished):
                     stopped.append(req)
                 elif rid in finished:
                     del self.running[rid]
-                    self._finish(req, finished[rid])
+                    self.outcomes.finish(req, finished[rid])
             except Exception as exc:
                 broken.append((req, exc))
         if stopped:
             self.batch.remove([r.id for r in stopped if r.id in self.batch.ids])
             for r in stopped:
                 del self.running[r.id]
-                self._finish(r, "stop")
+                self.outcomes.finish(r, "stop")
         if broken:
             self._retire(broken)
-
-    def _take(self, req: Request, new: list[int], now: float, final: bool) -> bool:
-        """Append a row's new tokens and send the text they complete; True when a stop string was hit."""
-        if new:
-            if req.first_token_at is None:
-                req.first_token_at = now
-                self.metrics.observe_first_token(now - req.arrival)
-            else:
-                self.metrics.observe_inter_token(now - req.last_token_at)
-            req.last_token_at = now
-            req.tokens.extend(new)
-            self.metrics.tokens.inc(len(new))
-        return self._detokenize(req, final=final)
 
     def _retire(self, broken: list[tuple[Request, Exception]]) -> None:
         """Rows whose results could not be handled leave the batch with an error; the others go on."""
@@ -207,58 +322,21 @@ class Scheduler(Admission):
             log.error("request %s failed while handling its tokens", req.tag, exc_info=exc)
             self.metrics.failures.labels("row").inc()
             self.running.pop(req.id, None)
-            self._error(req, 500, f"internal error while decoding this request (request id {req.tag})",
+            self.outcomes.error(req, 500, f"internal error while decoding this request (request id {req.tag})",
                         "server_error", None)
-
-    def _detokenize(self, req: Request, final: bool) -> bool:
-        """Update the request's text, send what is safe to send; True when a stop string was hit."""
-        req.text, safe, hit = visible_text(self.tokenizer, req.decoded, req.text, req.tokens, req.stop, final)
-        if safe > req.sent:
-            req.on_event(Event("delta", req.text[req.sent: safe], len(req.tokens), **req.take_unsent()))
-            req.sent = safe
-        return hit
-
-    def _close(self, req: Request) -> bool:
-        """Mark the request done and its row freed; False when it already was (it ends only once)."""
-        if req.done:
-            return False
-        req.done = True
-        self.completions.append(time.monotonic())
-        return True
-
-    def _finish(self, req: Request, reason: str) -> None:
-        if not self._close(req):
-            return
-        self.metrics.requests.labels(reason).inc()
-        if req.first_token_at is not None and len(req.tokens) > 1:
-            self.metrics.tpot.observe((req.last_token_at - req.first_token_at) / (len(req.tokens) - 1))
-        if reason != "cancelled":
-            tail = req.text[req.sent:]
-            req.sent = len(req.text)
-            req.on_event(Event("done", tail, len(req.tokens), finish_reason=reason, **req.take_unsent()))
-
-    def _error(self, req: Request, status: int, message: str, error_type: str, code: str | None) -> None:
-        if not self._close(req):
-            return
-        try:
-            req.on_event(Event("error", message, status=status, error_type=error_type, code=code))
-        except Exception:  # the receiver is gone (e.g. its event loop closed): nothing left to tell
-            log.warning("could not deliver the error of request %s", req.tag, exc_info=True)
 
     def _fail_all(self, message: str, status: int = 500) -> None:
         """Fail every running request (and on shutdown, 503, the queued ones too) and reset the batch.
 
         `message` may contain `{tag}`, replaced by each request's id."""
-        with self.cond:
-            victims = list(self.running.values()) + (list(self.queue) if status == 503 else [])
+        with self.admission.cond:
+            victims = list(self.running.values()) + (self.admission.clear() if status == 503 else [])
             if self.prefilling is not None and self.prefilling.id not in self.running:
                 victims.append(self.prefilling)
             self.running.clear()
             self.prefilling = None
-            if status == 503:
-                self.queue.clear()
         for r in victims:
-            self._error(r, status, message.replace("{tag}", r.tag), "server_error", None)
+            self.outcomes.error(r, status, message.replace("{tag}", r.tag), "server_error", None)
         # A failed step may have left the batch half-updated: start from a clean one.
         self.batch = self.new_batch()
 
@@ -292,11 +370,5 @@ class Scheduler(Admission):
 
     def _update_gauges(self) -> None:
         self.metrics.running.set(self.occupied)
-        self.metrics.queued.set(len(self.queue))
+        self.metrics.queued.set(len(self.admission))
 
-
-def keep_logprobs(req: Request, new: list[int], lp: tuple[list, list, list], row: int) -> None:
-    """Store the log-probabilities of a row's new tokens (the step's as lists: chosen, top ids, top)."""
-    token, ids, top = lp[0][row], lp[1][row], lp[2][row]
-    k = req.logprobs
-    req.token_logprobs.extend((t, token[j], list(zip(ids[j][:k], top[j][:k]))) for j, t in enumerate(new))

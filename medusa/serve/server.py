@@ -81,17 +81,17 @@ class Server:
     # ---- the scheduler, seen from a request ---------------------------------------------------------
     def submit(self, reqs: list[Request]) -> None:
         try:
-            self.scheduler.submit(*reqs)
+            self.scheduler.admission.submit(*reqs)
         except Overloaded:
             raise self.overloaded(429, "server overloaded: the request queue is full; retry later", "queue_full",
                                   "rate_limit_error") from None
 
     def cancel(self, reqs: list[Request]) -> None:
         for r in reqs:
-            self.scheduler.cancel(r)  # a no-op once finished; frees the row if the client left
+            self.scheduler.admission.cancel(r)  # a no-op once finished; frees the row if the client left
 
     def overloaded(self, status: int, message: str, code: str | None, error_type: str) -> ApiError:
-        retry = {"Retry-After": str(self.scheduler.retry_after())}
+        retry = {"Retry-After": str(self.scheduler.admission.retry_after())}
         return ApiError(status, message, None, code, error_type, retry)
 
     def failed(self, ev: Event) -> ApiError:
