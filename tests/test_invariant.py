@@ -213,3 +213,31 @@ def test_served_greedy_streams_do_not_depend_on_other_traffic(bf16_rt):
     with serve(rt, policy=policy, max_queue=64, max_context=256) as url:
         got = asyncio.run(main(url))
     assert [r.choices[0].text for r in got] == want
+
+
+def test_a_seeded_request_writes_the_same_alone_or_as_choice_0_of_3_beside_other_traffic(bf16_rt):
+    """bf16 server under the dynamic policy: a sampled request with a seed, sent alone with n=1 (one row: a
+    speculative tree), equals choice 0 of the same request with n=3 sent beside four greedy ones (eight
+    rows: another tree, or none)."""
+    import asyncio
+
+    import openai
+
+    from test_serve import serve
+
+    kw = dict(model="default", messages=[{"role": "user", "content": "Write a haiku about autumn rain."}],
+              max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
+
+    async def main(url: str):
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+            alone = await c.chat.completions.create(n=1, **kw)
+            busy = await asyncio.gather(c.chat.completions.create(n=3, **kw), *(
+                c.completions.create(model="default", prompt=f"Count to {i}:", max_tokens=20) for i in range(4)))
+            return alone, busy[0]
+
+    policy = {"mode": "dynamic", "calibrate": False, "high_watermark": 12, "low_watermark": 6,
+              "trees": {1: "dynamic-8x3", 4: "dynamic-4x2"}}
+    with serve(bf16_rt, policy=policy, max_queue=64, max_context=256) as url:
+        alone, three = asyncio.run(main(url))
+    texts = [ch.message.content for ch in sorted(three.choices, key=lambda ch: ch.index)]
+    assert alone.choices[0].message.content == texts[0] and len(set(texts)) == 3

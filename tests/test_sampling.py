@@ -1,4 +1,5 @@
-"""Sampling with speculation: rejection sampling keeps the target distribution exactly; typical does not."""
+"""Sampling with speculation: rejection sampling (and matching keyed samples, for seeded rows) keeps the
+target distribution exactly; typical does not. Seeded rows write the same text whatever the speculation."""
 
 import dataclasses
 
@@ -43,20 +44,22 @@ def exact_pairs(model, params: SamplingParams) -> torch.Tensor:
 
 
 def seeded_rows(params: SamplingParams, n: int, seed: int = 0) -> list[SamplingParams]:
-    """`params` for `n` rows, each with a seed of its own: the statistical tests draw the same numbers on
-    every run, so they cannot fail by chance."""
+    """`params` for `n` rows, each with a seed of its own (so verified by matching keyed samples)."""
     return [dataclasses.replace(params, seed=seed + i) for i in range(n)]
 
 
-def sample(engine, proposer, params, n=6000, seed=0):
-    """Counts of each (first, second) output token pair over `n` seeded rows, and the run's stats."""
-    gen = engine.generate([PROMPT] * n, 2, proposer, seeded_rows(params, n, seed))
+def sample(engine, proposer, params, n=6000, seed=0, keyed=False):
+    """Counts of each (first, second) output token pair over `n` rows, and the run's stats. Rows have seeds of
+    their own when `keyed`, else share the batch's generator, seeded: either way the statistical tests draw
+    the same numbers on every run, so they cannot fail by chance."""
+    rows = seeded_rows(params, n, seed) if keyed else [params] * n
+    gen = engine.generate([PROMPT] * n, 2, proposer, rows, seed=seed)
     pairs = torch.tensor([o.tokens[0] * V + o.tokens[1] for o in gen.outputs])
     return torch.bincount(pairs, minlength=V * V).double(), gen.stats
 
 
-def sample_pairs(engine, proposer, params, n=6000, seed=0) -> torch.Tensor:
-    return sample(engine, proposer, params, n, seed)[0]
+def sample_pairs(engine, proposer, params, n=6000, seed=0, keyed=False) -> torch.Tensor:
+    return sample(engine, proposer, params, n, seed, keyed)[0]
 
 
 def accepted(stats) -> int:
@@ -96,16 +99,21 @@ class SampledChain(Proposer):
 PARAMS = SamplingParams(temperature=1.0, acceptance="rejection", seed=None)
 
 
-def test_plain_sampling_matches_exact_distribution(small):
+@pytest.mark.parametrize("keyed", [False, True], ids=["shared", "keyed"])
+def test_plain_sampling_matches_exact_distribution(small, keyed):
     model, engine = small
-    assert chi_square_pvalue(sample_pairs(engine, None, PARAMS), exact_pairs(model, PARAMS)) > 1e-3
+    counts = sample_pairs(engine, None, PARAMS, keyed=keyed)
+    assert chi_square_pvalue(counts, exact_pairs(model, PARAMS)) > 1e-3
 
 
 @pytest.mark.parametrize("kind", ["tree", "chain"])
-def test_rejection_sampling_is_lossless(small, kind):
+@pytest.mark.parametrize("keyed", [False, True], ids=["rejection", "match"])
+def test_rejection_sampling_is_lossless(small, kind, keyed):
+    """Unseeded rows are verified by rejection, seeded ones by matching keyed samples: both lossless, for
+    deterministic tree drafts and for a chain sampled from a wrong distribution."""
     model, engine = small
     proposer = MedusaProposer(random_heads(model), load_tree("prior-8")) if kind == "tree" else SampledChain(3)
-    counts, stats = sample(engine, proposer, PARAMS)
+    counts, stats = sample(engine, proposer, PARAMS, keyed=keyed)
     assert chi_square_pvalue(counts, exact_pairs(model, PARAMS)) > 1e-3
     assert accepted(stats) > 0  # candidates were accepted (and rejected): acceptance itself was tested
     assert stats.accept_hist[0] > 0
@@ -143,6 +151,24 @@ def test_seeded_runs_are_reproducible(small):
     assert [o.tokens for o in a.outputs] == [o.tokens for o in b.outputs][::-1]
     c = engine.generate(mixed_prompts(3, vocab=V), 20, proposer, [SamplingParams(temperature=1.0, seed=9)] * 3)
     assert [o.tokens for o in a.outputs] != [o.tokens for o in c.outputs]
+
+
+def test_a_seeded_row_writes_the_same_text_whatever_the_speculation(small):
+    """A seeded row's tokens depend on its seed and the logits alone: plain decoding, a Medusa tree and a
+    chain sampled from another distribution write the same, alone or beside other rows (seeded or not)."""
+    model, engine = small
+    prompts = mixed_prompts(4, vocab=V, seed=8)
+    mine = [SamplingParams(temperature=1.0, top_p=0.95, seed=s) for s in (11, 12)]
+    others = [SamplingParams(temperature=0.8), SamplingParams()]
+    want = [engine.generate([p], 24, None, [m]).outputs[0].tokens for p, m in zip(prompts, mine)]
+    assert want[0] != engine.generate([prompts[0]], 24, None, [dataclasses.replace(mine[0], seed=13)]).outputs[0].tokens
+    proposers = {"tree": MedusaProposer(random_heads(model), load_tree("prior-16")), "chain": SampledChain(3)}
+    for name, proposer in proposers.items():
+        alone = [engine.generate([p], 24, proposer, [m]) for p, m in zip(prompts, mine)]
+        assert [g.outputs[0].tokens for g in alone] == want, name
+        assert sum(accepted(g.stats) for g in alone) > 0, name  # speculation took part
+        batched = engine.generate(prompts[2:] + prompts[:2], 24, proposer, others + mine)
+        assert [o.tokens for o in batched.outputs[2:]] == want, name
 
 
 def test_rows_with_different_temperatures_in_one_batch():

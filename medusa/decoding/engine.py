@@ -197,7 +197,8 @@ class Engine:
         logits = self.model.lm_head(last)
         if batch.sampling.any_sampling(rows):
             p = batch.sampling.probs(logits[:, None], rows)[:, 0]
-            batch.root[rows] = sample_from(p, batch.sampling.uniform(rows, 1)[:, 0])
+            first = torch.zeros(k, dtype=torch.long, device=dev)  # output position 0
+            batch.root[rows] = sample_from(p, batch.sampling.uniform_at(rows, first))
         else:
             batch.root[rows] = argmax(logits)
         batch.out_len[rows] = 0
@@ -313,6 +314,7 @@ class Engine:
         length = batch.out_len[rows] >= batch.max_new[rows]
         read = [count, hit.long(), length.long()] + ([accepted] if accepted is not None else [])
         host = torch.stack(read).tolist()
+        batch.sampling.emitted(rows, host[0])
         batch.stats.new_tokens += sum(host[0])
         if accepted is not None:
             batch.stats.add_hist(host[3], width)
@@ -332,12 +334,13 @@ class Engine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, proposer: Proposer | None = None,
                  sampling: SamplingParams | list[SamplingParams] | None = None,
                  policy: "StepPolicy | None" = None,
-                 on_finish: Callable[[Finished], None] | None = None) -> Generation:
+                 on_finish: Callable[[Finished], None] | None = None, seed: int | None = None) -> Generation:
         """Decode a fixed set of prompts to completion (the CLI's and the evaluator's entry point).
 
         With a `policy` (auto mode) the proposer is chosen per step for the current number of rows, and
         every step's tokens per row and duration are fed back to it. `on_finish` hears of each row as it
-        finishes (id: its prompt's index), e.g. to time requests."""
+        finishes (id: its prompt's index), e.g. to time requests. `seed` seeds the generator that sampled rows
+        without a seed of their own share."""
         if max_new_tokens <= 0:
             raise MedusaError(f"--max-new-tokens must be positive, got {max_new_tokens}")
         if not prompts:
@@ -345,6 +348,8 @@ class Engine:
         extra = policy.max_tree_size if policy is not None else proposer.tree.size if proposer is not None else 1
         capacity = cache_capacity(max(len(p) for p in prompts), max_new_tokens, extra)
         batch = self.new_batch(len(prompts), capacity, max_new_tokens)
+        if seed is not None:
+            batch.sampling.shared.manual_seed(seed)
         start = time.perf_counter()
         results: dict[Any, Finished] = {}
         if isinstance(sampling, SamplingParams):

@@ -20,7 +20,12 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 means greedy. `acceptance` picks how speculative candidates are accepted when
-    sampling: `rejection` keeps the target's distribution exactly, `typical` accepts more (not lossless)."""
+    sampling: `rejection` keeps the target's distribution exactly, `typical` accepts more (not lossless).
+
+    With a `seed`, rejection acceptance is done by matching (`MODE_MATCH`): the token at each output position
+    is drawn with a uniform that depends on (seed, position) only, and a candidate is accepted when it equals
+    that draw. The text then depends on the seed and the logits alone, not on whether or how the step
+    speculated."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -50,14 +55,40 @@ GREEDY = SamplingParams()
 
 # ---- per-row sampling state ---------------------------------------------------------------------------
 
-MODE_GREEDY, MODE_REJECTION, MODE_TYPICAL = 0, 1, 2
+MODE_GREEDY, MODE_REJECTION, MODE_TYPICAL, MODE_MATCH = 0, 1, 2, 3
+KEYED_BLOCK = 256  # a seeded row's uniforms are drawn this many at a time
+
+
+def mode_of(p: SamplingParams) -> int:
+    if p.greedy:
+        return MODE_GREEDY
+    if p.acceptance == "typical":
+        return MODE_TYPICAL
+    return MODE_MATCH if p.seed is not None else MODE_REJECTION
+
+
+class KeyedUniforms:
+    """A seeded row's uniforms by output position: the one for position t is the t-th draw of a generator
+    seeded with the row's seed, a function of (seed, t) alone, however many steps the row took to get there."""
+
+    def __init__(self, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.values = torch.empty(0)
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions (long, CPU, any shape) -> their uniforms in [0, 1), same shape (CPU)."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > len(self.values):
+            blocks = -(-(need - len(self.values)) // KEYED_BLOCK)
+            self.values = torch.cat([self.values, torch.rand(blocks * KEYED_BLOCK, generator=self.gen)])
+        return self.values[positions]
 
 
 class RowSampling:
     """Sampling parameters of every row of a batch as tensors, so a step treats all rows at once.
 
-    Rows with a seed draw their random numbers from their own generator (reproducible whatever else is in
-    the batch); the others share the batch's generator.
+    Rows with a seed draw keyed uniforms (`KeyedUniforms`, indexed by the row's output position, which
+    `emitted` keeps on the host); the others share the batch's generator.
     """
 
     def __init__(self, rows: int, device: torch.device):
@@ -68,7 +99,8 @@ class RowSampling:
         self.mode = torch.zeros(rows, dtype=torch.long, device=device)
         self.epsilon = torch.zeros(rows, device=device)
         self.delta = torch.zeros(rows, device=device)
-        self.generators: list[torch.Generator | None] = [None] * rows
+        self.keyed: list[KeyedUniforms | None] = [None] * rows
+        self.position = [0] * rows  # output tokens each row has emitted (host side: no device read)
         self.shared = torch.Generator(device=device)
         self.shared.seed()
 
@@ -76,36 +108,42 @@ class RowSampling:
         self.temperature[rows] = torch.tensor([p.temperature for p in params], device=self.device)
         self.top_p[rows] = torch.tensor([p.top_p for p in params], device=self.device)
         self.top_k[rows] = torch.tensor([p.top_k for p in params], device=self.device)
-        modes = [MODE_GREEDY if p.greedy else MODE_REJECTION if p.acceptance == "rejection" else MODE_TYPICAL
-                 for p in params]
-        self.mode[rows] = torch.tensor(modes, device=self.device)
+        self.mode[rows] = torch.tensor([mode_of(p) for p in params], device=self.device)
         self.epsilon[rows] = torch.tensor([p.typical_epsilon for p in params], device=self.device)
         self.delta[rows] = torch.tensor([p.typical_delta for p in params], device=self.device)
         for r, p in zip(range(rows.start, rows.stop), params):
-            gen = None
-            if p.seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(p.seed)
-            self.generators[r] = gen
+            self.keyed[r] = None if p.seed is None or p.greedy else KeyedUniforms(p.seed)
+            self.position[r] = 0
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
         for t in (self.temperature, self.top_p, self.top_k, self.mode, self.epsilon, self.delta):
             t[d] = t[s]
         for a, b in zip(src, dst):
-            self.generators[b] = self.generators[a]
+            self.keyed[b], self.position[b] = self.keyed[a], self.position[a]
+
+    def emitted(self, rows: slice, counts: list[int]) -> None:
+        """The rows emitted `counts` more output tokens (read on the host by the step's one device read)."""
+        for r, c in zip(range(rows.start or 0, rows.stop), counts):
+            self.position[r] += c
 
     def any_sampling(self, rows: slice) -> bool:
         return bool((self.mode[rows] != MODE_GREEDY).any())
 
     def uniform(self, rows: slice, m: int) -> torch.Tensor:
-        """[n, m] uniforms in [0, 1): per-row generators where seeded, the shared one elsewhere."""
-        idx = range(rows.start or 0, rows.stop)
-        u = torch.rand(len(idx), m, generator=self.shared, device=self.device)
-        for i, r in enumerate(idx):
-            gen = self.generators[r]
-            if gen is not None:  # only seeded rows cost a Python iteration
-                u[i] = torch.rand(m, generator=gen, device=self.device)
+        """[n, m] uniforms in [0, 1) from the batch's shared generator (rows that are not keyed)."""
+        return torch.rand(rows.stop - (rows.start or 0), m, generator=self.shared, device=self.device)
+
+    def uniform_at(self, rows: slice, offsets: torch.Tensor) -> torch.Tensor:
+        """offsets [n, ...] (long) -> uniforms [n, ...]: a keyed row's for its output positions `position +
+        offsets`, fresh shared draws for the others."""
+        u = torch.rand(offsets.shape, generator=self.shared, device=self.device)
+        host = None
+        for i, r in enumerate(range(rows.start or 0, rows.stop)):
+            keyed = self.keyed[r]
+            if keyed is not None:  # only keyed rows cost a Python iteration (and one read of the offsets)
+                host = offsets.cpu() if host is None else host
+                u[i] = keyed.at(host[i] + self.position[r]).to(self.device)
         return u
 
     def probs(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa.decoding.sampling import MODE_TYPICAL, argmax, sample_from
+from medusa.decoding.sampling import MODE_GREEDY, MODE_MATCH, MODE_REJECTION, MODE_TYPICAL, argmax, sample_from
 from medusa.decoding.tree import TreeBuffers
 
 
@@ -51,6 +51,14 @@ class Candidates:
         n, p, d1 = self.paths.shape
         return values.gather(1, self.paths[:, :, start:].reshape(n, -1)).view(n, p, d1 - start)
 
+    def node_depth(self) -> torch.Tensor:
+        """[n, T] long: each node's depth (the root's is 0)."""
+        depth = torch.zeros_like(self.parent)
+        root = torch.arange(depth.shape[1], device=depth.device) == 0
+        for _ in range(self.depth):
+            depth = torch.where(root, 0, depth.gather(1, self.parent) + 1)
+        return depth
+
     def longest(self, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ok [n, P, D]: node k+1 of each path passes. The longest passing prefix per row: (accepted [n],
         its path [n, D+1]); paths past their length never pass."""
@@ -71,15 +79,20 @@ def _last(path: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
     return path.gather(1, accepted[:, None])[:, 0]
 
 
+def _matching(cand: Candidates, pred: torch.Tensor) -> Verdict:
+    """pred [n, T]: the token the target chooses after each node. The longest path whose every candidate is
+    the choice after its parent, and the choice after its last node."""
+    accepted, path = cand.longest(cand.along_paths(cand.tokens, 1) == cand.along_paths(pred, 0)[..., :-1])
+    return Verdict(accepted, path, pred.gather(1, _last(path, accepted)[:, None])[:, 0])
+
+
 class GreedyVerifier:
     """Lossless for greedy decoding: output equals plain argmax decoding token for token."""
 
     name = "greedy"
 
     def verify(self, logits: torch.Tensor, cand: Candidates) -> Verdict:
-        pred = argmax(logits)  # [n, T]: the target's choice after each node
-        accepted, path = cand.longest(cand.along_paths(cand.tokens, 1) == cand.along_paths(pred, 0)[..., :-1])
-        return Verdict(accepted, path, pred.gather(1, _last(path, accepted)[:, None])[:, 0])
+        return _matching(cand, argmax(logits))
 
 
 class SamplingVerifier:
@@ -92,24 +105,42 @@ class SamplingVerifier:
       on c: the rule accepts c with probability r(c) and, on rejection, removes c from r. When no child is
       accepted the next token is drawn from r. Output tokens are distributed exactly as the target's own
       sampling, for any proposer.
+    - match (seeded rows, lossless and reproducible): the target's token after each node is sampled with the
+      uniform of the output position it decides (`RowSampling.uniform_at`), and the longest path of
+      candidates equal to those samples wins, as in greedy verification. For deterministic drafts it accepts
+      exactly as often as rejection (a child is accepted with probability r(c) either way); the output is
+      what plain decoding with the same seed writes, whatever the tree.
     - typical (Medusa's, not lossless): a candidate is accepted when the target gives it probability above
       min(epsilon, delta * exp(-H(p))); the longest such path wins; the next token is sampled from p.
-    - greedy rows: p is one-hot on the argmax, so both rules reduce to greedy acceptance.
+    - greedy rows: p is one-hot on the argmax, so every rule reduces to greedy acceptance for them.
     """
 
     name = "sampling"
 
     def verify(self, p: torch.Tensor, cand: Candidates, sampling, rows: slice) -> Verdict:
         """p [n, T, V]: the target's sampling distribution at every node; `sampling` the batch's
-        `RowSampling` (modes, thresholds, uniforms) read at `rows`."""
-        typical = sampling.mode[rows] == MODE_TYPICAL
-        rejection = self._rejection(p, cand, sampling, rows)
-        if not bool(typical.any()):
-            return rejection
-        t = self._typical(p, cand, sampling, rows)
-        return Verdict(torch.where(typical, t.accepted, rejection.accepted),
-                       torch.where(typical[:, None], t.path, rejection.path),
-                       torch.where(typical, t.next_token, rejection.next_token))
+        `RowSampling` (modes, thresholds, uniforms) read at `rows`. Each rule present runs over the whole
+        batch; a row keeps its own rule's verdict (greedy rows any one's)."""
+        mode = sampling.mode[rows]
+        present = set(mode.tolist()) - {MODE_GREEDY} or {MODE_REJECTION}
+        verdict = None
+        for m, rule in ((MODE_REJECTION, self._rejection), (MODE_MATCH, self._match), (MODE_TYPICAL, self._typical)):
+            if m not in present:
+                continue
+            v = rule(p, cand, sampling, rows)
+            if verdict is not None:
+                mine = mode == m
+                v = Verdict(torch.where(mine, v.accepted, verdict.accepted),
+                            torch.where(mine[:, None], v.path, verdict.path),
+                            torch.where(mine, v.next_token, verdict.next_token))
+            verdict = v
+        return verdict
+
+    @staticmethod
+    def _match(p, cand: Candidates, sampling, rows) -> Verdict:
+        n, t, v = p.shape
+        u = sampling.uniform_at(rows, cand.node_depth())  # the output position each node's successor takes
+        return _matching(cand, sample_from(p.reshape(n * t, v), u.reshape(-1)).view(n, t))
 
     @staticmethod
     def _rejection(p, cand: Candidates, sampling, rows_slice) -> Verdict:
@@ -173,5 +204,5 @@ class SamplingVerifier:
         node_prob = parent_p.gather(-1, cand.tokens[..., None])[..., 0]  # [n, T]
         node_ok = node_prob > threshold.gather(1, cand.parent)
         accepted, path = cand.longest(cand.along_paths(node_ok, 1))
-        u = sampling.uniform(rows, 1)[:, 0]
+        u = sampling.uniform_at(rows, accepted)  # the output position of the token after the accepted path
         return Verdict(accepted, path, sample_from(p[torch.arange(n, device=p.device), _last(path, accepted)], u))
