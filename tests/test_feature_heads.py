@@ -309,6 +309,62 @@ def test_unrolled_mask_is_what_a_draft_sees():
     assert row[2 * t:].tolist() == [False, False, False, False, True]
 
 
+@pytest.mark.parametrize("style", ["eagle1", "eagle3"])
+def test_unrolled_steps_equal_one_stacked_pass(style):
+    """Training's unrolled steps (one block of queries per step over the keys of the blocks so far) give what
+    one pass over every step's inputs stacked under `unrolled_mask` gives, outputs and gradients."""
+    from medusa.train.feature import unrolled, unrolled_mask
+
+    model = tiny_model("llama")
+    head = random_head(model, style, seed=3, std=0.2).float()
+    b, t, h = 2, 7, model.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(b, t, h, generator=g)
+    f_in = torch.randn(b, t, head.config.feature_dim, generator=g)
+    ok = torch.ones(b, t, dtype=torch.bool)
+
+    def stacked(steps: int) -> list[torch.Tensor]:
+        positions = torch.arange(t).expand(b, t)
+        xs, outs = [head.inputs(emb, f_in, fused=True)], []
+        for j in range(steps):
+            out = head.layer_forward(emb.repeat(1, j + 1, 1), torch.cat(xs, 1), positions.repeat(1, j + 1),
+                                     unrolled_mask(j + 1, t, emb.dtype, "cpu"))[:, j * t:]
+            outs.append(out)
+            xs.append(head.inputs(emb, torch.cat([out[:, :1] * 0, out[:, :-1]], 1), fused=False))
+        return outs
+
+    def grads(outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        head.zero_grad()
+        sum((o * (k + 1)).square().mean() for k, o in enumerate(outs)).backward()
+        trained = [p for p in head.parameters() if p.requires_grad]
+        return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in trained]
+
+    want = stacked(3)
+    want_grads = grads(want)
+    got = [out for _, out, _ in unrolled(head, emb, f_in, ok, 3)]
+    assert len(got) == 3
+    for w, o in zip(want, got):
+        torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-5)
+    for w, o in zip(want_grads, grads(got)):  # summed in another order: equal to rounding of their scale
+        assert (o - w).abs().max() <= 1e-5 * w.abs().max()
+
+
+def test_sequence_order_groups_lengths_and_is_reproducible():
+    """Each epoch visits every sequence once, in the same order after a resume; grouped batches need far
+    less padding than shuffled ones."""
+    from medusa.train.feature_data import sequence_order
+
+    lengths = torch.randint(20, 256, (1000,), generator=torch.Generator().manual_seed(1))
+
+    def padded(order: torch.Tensor) -> int:  # positions of 8-sequence batches padded to their longest
+        return sum(8 * int(lengths[b].max()) for b in order[: len(order) // 8 * 8].view(-1, 8))
+
+    plain, grouped = sequence_order(0, 3, lengths), sequence_order(0, 3, lengths, group=8)
+    assert sorted(grouped.tolist()) == list(range(1000)) and torch.equal(grouped, sequence_order(0, 3, lengths, 8))
+    assert not torch.equal(grouped, sequence_order(0, 4, lengths, 8))
+    assert padded(grouped) < 0.8 * padded(plain) and padded(grouped) < 1.05 * int(lengths.sum())
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     from train_helpers import fake_distilled, save_tiny_model

@@ -28,6 +28,7 @@ EAGLE-1 (`config.json` one-layer Llama config, `fc.*`, `layers.0.*`) and EAGLE-3
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers.models.llama.modeling_llama import LlamaAttention
 
 from medusa.errors import MedusaError
 from medusa.io import ASSETS
@@ -42,6 +44,8 @@ from medusa.decoding.transformer import causal
 
 KIND = "feature"
 STYLES = ("eagle1", "eagle3")
+# The name under which an HF attention module takes its KV cache (renamed from past_key_values in 5.x).
+CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaAttention.forward).parameters else "past_key_values"
 WEIGHTS = "feature_head.safetensors"
 CONFIG = "heads.json"
 SHIPPED_FEATURE_DIR = ASSETS / "feature_heads"
@@ -170,16 +174,19 @@ class FeatureHead(nn.Module):
         return self.fc(hid) if fused else hid
 
     def layer_forward(self, emb: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
-                      attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """emb, x [B, T, h]; positions [B, T]; attention_mask [B, 1, T, T] additive or None (causal)."""
+                      attention_mask: torch.Tensor | None, cache=None) -> torch.Tensor:
+        """emb, x [B, T, h]; positions [B, T]; attention_mask [B, 1, T, K] additive, or None: causal (only
+        while `cache` is empty). `cache`: a transformers `Cache` holding the keys and values of earlier blocks
+        (K - T of them), which this block's are appended to (training's unrolled steps)."""
         layer = self.layer
         a_in = x if self.hidden_norm is None else torch.cat([layer.input_layernorm(emb), self.hidden_norm(x)], -1)
         cos, sin = self.rotary(x, positions)
-        if attention_mask is None:
-            t = x.shape[1]
+        if attention_mask is None and self.layer_config._attn_implementation != "sdpa":
+            t = x.shape[1]  # SDPA alone takes no mask as causal (its fast path); other kernels need one
             attention_mask = torch.zeros(t, t, dtype=x.dtype, device=x.device).masked_fill(
                 ~causal(t, x.device), float("-inf"))[None, None]
-        a = layer.self_attn(hidden_states=a_in, position_embeddings=(cos, sin), attention_mask=attention_mask)[0]
+        a = layer.self_attn(hidden_states=a_in, position_embeddings=(cos, sin), attention_mask=attention_mask,
+                            **({CACHE_ARGUMENT: cache} if cache is not None else {}))[0]
         x = x + a
         return x + layer.mlp(layer.post_attention_layernorm(x))
 

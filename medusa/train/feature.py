@@ -10,9 +10,7 @@ Objective at position t (t+2 an answer token): the head reads (f_t, x_{t+1}) and
 with uniform noise (+-noise) on the input features. Training-time unrolling (EAGLE-3 / HASS): the head is
 run `unroll` times, step j reading its own step j-1 output as the feature (the true tokens stay), attending
 to true entries up to t-j and to its own chain, exactly what a j-deep draft sees; step j's loss is weighted
-decay**j.
-
-Checkpoints (`train/checkpoint.py`, resumable by re-running the command), wandb (offline by default),
+decay**j. Batches hold sequences of similar lengths (`group_by_length`). Checkpoints (`train/checkpoint.py`, resumable by re-running the command), wandb (offline by default),
 `run_dir/head/` (the head, eval.json with per-step rank accuracies, train_config.yaml) at the end.
 """
 
@@ -31,14 +29,15 @@ import torch.nn.functional as F
 import yaml
 from pydantic import Field
 
+from medusa.decoding.sampling import argmax
 from medusa.errors import MedusaError
 from medusa.io import atomic_dir, read_yaml, validate, write_json_atomic
 from medusa.train import checkpoint as ckpt
-from medusa.train.batches import epoch_order
 from medusa.train.config import OptimConfig, RunConfig, StrictConfig, WandbConfig, apply_overrides
 from medusa.train.data import load_examples, split_groups
 from medusa.train.dist import Dist
-from medusa.train.feature_data import Features, cached_features, draft_vocabulary, extract, feature_fn
+from medusa.train.feature_data import (Features, cached_features, draft_vocabulary, extract, feature_fn,
+                                       sequence_order)
 from medusa.train.hidden import table_key
 from medusa.train.logs import start_wandb
 from medusa.train.optim import Stepper
@@ -66,6 +65,7 @@ class FeatureTrainConfig(RunConfig):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     batch_size: int = Field(default=8, gt=0)              # sequences per step
+    group_by_length: bool = True                          # feature_data.sequence_order
     chunk: int = Field(default=128, gt=0)                 # sequences per cached feature file
     epochs: float = Field(default=1.0, gt=0.0)
     max_steps: int | None = Field(default=None, gt=0)
@@ -118,18 +118,22 @@ def shifted(x: torch.Tensor) -> torch.Tensor:
 
 def unrolled(head, emb: torch.Tensor, f_in: torch.Tensor, label_ok: torch.Tensor, steps: int) -> Iterator:
     """Run the head `steps` times over a [B, T] batch, step j reading its own step j-1 outputs as the
-    features; yields (j, output [B, T, H], ok [B, T]: the positions with a label at step j)."""
+    features; yields (j, output [B, T, H], ok [B, T]: the positions with a label at step j). Step j runs
+    the layer over its own T positions only: queries over the cached keys of every step so far, with the
+    last T rows of `unrolled_mask(j + 1, T)`."""
+    from transformers import DynamicCache
+
     b, t = label_ok.shape
     positions = torch.arange(t, device=emb.device).expand(b, t)
-    xs = [head.inputs(emb, f_in, fused=True)]
+    x = head.inputs(emb, f_in, fused=True)
+    cache = DynamicCache()
     for j in range(min(steps, t)):
-        mask = unrolled_mask(j + 1, t, f_in.dtype, emb.device)
-        out = head.layer_forward(emb.repeat(1, j + 1, 1), torch.cat(xs, 1), positions.repeat(1, j + 1), mask)
-        out = out[:, j * t:]
+        mask = None if j == 0 else unrolled_mask(j + 1, t, f_in.dtype, emb.device)[:, :, j * t:]
+        out = head.layer_forward(emb, x, positions, mask, cache=cache)
         ok = label_ok.clone()
         ok[:, :j] = False
         yield j, out, ok
-        xs.append(head.inputs(emb, torch.cat([out[:, :1] * 0, out[:, :-1]], 1), fused=False))
+        x = head.inputs(emb, torch.cat([out[:, :1] * 0, out[:, :-1]], 1), fused=False)
 
 
 def head_loss(head, cfg: FeatureTrainConfig, feats: torch.Tensor, tokens: torch.Tensor, answer: torch.Tensor,
@@ -159,14 +163,14 @@ def head_loss(head, cfg: FeatureTrainConfig, feats: torch.Tensor, tokens: torch.
         count = w.sum().clamp(min=1)
         out_rows = out.flatten(0, 1)[rows]
         logits = head.logits(out_rows).float()
-        ce = -(teacher * torch.log_softmax(logits, -1)).sum(-1)
+        ce = F.cross_entropy(logits, teacher, reduction="none")  # soft targets: one fused kernel each way
         step_loss = cfg.loss.ce_weight * (ce * w).sum() / count
         if head.config.style == "eagle1" and cfg.loss.feature_weight > 0:
             sl1 = F.smooth_l1_loss(out_rows.float(), target_rows.float(), reduction="none").mean(-1)
             step_loss = step_loss + cfg.loss.feature_weight * (sl1 * w).sum() / count
         loss = loss + cfg.loss.decay ** j * step_loss
         with torch.no_grad():
-            hit = (logits.argmax(-1) == greedy_d).float() * w
+            hit = (argmax(logits) == greedy_d).float() * w
             stats.append((int(hit.sum()), int(w.sum())))
     return loss, stats
 
@@ -289,9 +293,11 @@ def _train(cfg: FeatureTrainConfig, head, feats: Features, full_to_draft: torch.
     step, trained, history = _resume(run_dir, head, stepper, meta, cfg.resume_from)
     autocast = step_autocast(cfg.precision, next(head.parameters()).device)
     wb = start_wandb(cfg, run_dir) if step < total else None
+    lengths, order, seen = feats.lengths().clamp(max=cfg.data.max_seq_tokens), None, None
     while step < total and (cfg.max_train_tokens is None or trained < cfg.max_train_tokens):
         epoch, within = divmod(step, per_epoch)
-        order = epoch_order(cfg.seed, epoch, len(feats))
+        if epoch != seen:
+            seen, order = epoch, sequence_order(cfg.seed, epoch, lengths, cfg.batch_size if cfg.group_by_length else 0)
         pick = order[within * cfg.batch_size: (within + 1) * cfg.batch_size].tolist()
         start = time.perf_counter()
         head.train()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from medusa.train.batches import epoch_order
 from medusa.train.data import length_batches, pad_batch
 from medusa.train.hidden import cached, save_keyed
 
@@ -29,6 +30,10 @@ class Features:
 
     def seq(self, i: int) -> slice:
         return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+    def lengths(self) -> torch.Tensor:
+        """[E] positions of each sequence."""
+        return self.offsets[1:] - self.offsets[:-1]
 
     def positions(self) -> int:
         """Positions with a label (t + 2 is an answer token)."""
@@ -73,6 +78,19 @@ class Features:
             top[r, :n] = self.top[s.start: s.start + n]
             valid[r, :n] = True
         return f, tok, ans, top, valid
+
+
+def sequence_order(seed: int, epoch: int, lengths: torch.Tensor, group: int = 0, window: int = 64) -> torch.Tensor:
+    """One epoch's order of the sequences (seeded: the same after a resume). With `group` (a batch size),
+    batches of similar lengths, for less padding: each window of `window` batches of the shuffled order is
+    sorted by length and cut into batches, and the batches are shuffled again."""
+    order = epoch_order(seed, epoch, len(lengths))
+    if not group:
+        return order
+    ranked = torch.cat([w[torch.argsort(lengths[w], stable=True)] for w in order.split(group * window)])
+    n = len(ranked) // group
+    shuffle = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch + 1))
+    return torch.cat([ranked[: n * group].view(n, group)[shuffle].flatten(), ranked[n * group:]])
 
 
 def feature_fn(model, layers: list[int]):
