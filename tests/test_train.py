@@ -234,7 +234,7 @@ def test_distill_is_resumable(tiny, tmp_path):
     prompts.write_text("\n".join(f"t{5 + i} t{9 + i} t{20 + i}" for i in range(5)) + "\n")
     cfg = load_config(write_config(tmp_path / "c.yaml", model, tmp_path / "data", tmp_path / "run",
                                    data__sources=[str(prompts)], data__shard_size=2, data__max_new_tokens=6,
-                                   data__distill_batch_size=2))
+                                   data__distill_batch_size=3))
     out = run_distill(cfg, show_progress=False)
     ds = load_distilled(out)
     assert len(ds) == 5 and all(len(r) == 6 for r in ds["response_ids"])
@@ -246,6 +246,11 @@ def test_distill_is_resumable(tiny, tmp_path):
     again = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")}
     assert again["shard-00000"] == stamps["shard-00000"] and again["shard-00002"] == stamps["shard-00002"]
     assert load_distilled(out)["response_ids"] == ds["response_ids"]
+    # a batch wider than a shard answers prompts of several shards at once: each shard still gets its own
+    one = load_config(write_config(tmp_path / "one.yaml", model, tmp_path / "one", tmp_path / "run",
+                                   data__sources=[str(prompts)], data__shard_size=2, data__max_new_tokens=6,
+                                   data__distill_batch_size=1))
+    assert load_distilled(run_distill(one, show_progress=False))["response_ids"] == ds["response_ids"]
 
 
 def test_distill_extends_with_more_sources_keeping_every_answered_shard(tiny, tmp_path):

@@ -2,8 +2,8 @@
 
 The answers are the target's own outputs, which is what its heads must learn to predict. Prompts are
 processed in shards of `data.shard_size`; each shard is written atomically (temporary directory, then
-rename), so an interrupted run resumes at the first missing shard. Decoding keeps the batch full: as soon
-as a row finishes, the next prompt takes its slot.
+rename) once all its answers are in, so an interrupted run resumes with the missing shards. Decoding keeps
+the batch full across shards: as soon as a row finishes, the next prompt takes its slot.
 
 Layout of a distilled directory (what other training code can reuse, see `load_distilled`):
     <dir>/meta.json                     model, dtype, max_new_tokens, max_prompt_tokens, sources
@@ -87,25 +87,30 @@ def distill_batch_size(cfg: TrainConfig, rt, prompts: int) -> int:
     return max(1, min(chosen, prompts))
 
 
-def answer_all(engine, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-               progress=None) -> list:
-    """Greedy answers for every prompt, with a continuously refilled batch. Returns Finished per prompt."""
+def answer_all(engine, prompts: list[list[int]], max_new_tokens: int, batch_size: int, progress=None,
+               on_finish=None) -> list:
+    """Greedy answers for every prompt, with a continuously refilled batch. Returns Finished per prompt;
+    `on_finish(finished)` hears of each answer as it is complete (id: the prompt's index)."""
     capacity = cache_capacity(max(len(p) for p in prompts), max_new_tokens)
     batch = engine.new_batch(min(batch_size, len(prompts)), capacity, max_new_tokens)
     queue = deque(range(len(prompts)))
     results = {}
 
+    def done(finished: list) -> None:
+        for f in finished:
+            results[f.id] = f
+            if on_finish is not None:
+                on_finish(f)
+
     def refill() -> None:
         ids = [queue.popleft() for _ in range(min(batch.free, len(queue)))]
         if ids:
-            for f in engine.add(batch, ids, [prompts[i] for i in ids], max_new_tokens).finished:
-                results[f.id] = f
+            done(engine.add(batch, ids, [prompts[i] for i in ids], max_new_tokens).finished)
 
     refill()
     while batch.n:
         out = engine.step(batch)
-        for f in out.finished:
-            results[f.id] = f
+        done(out.finished)
         if progress is not None:
             progress.update(sum(out.count_list))
         refill()
@@ -113,7 +118,9 @@ def answer_all(engine, prompts: list[list[int]], max_new_tokens: int, batch_size
 
 
 def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True) -> Path:
-    """Distil every missing shard; returns the dataset directory."""
+    """Distil every missing shard; returns the dataset directory. The prompts of all missing shards share
+    one continuously refilled batch (no shard waits for its slowest answer before the next starts); a shard
+    is written as soon as its last answer is in."""
     from datasets import Dataset
     from tqdm import tqdm
 
@@ -133,17 +140,28 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True) -> P
     size = cfg.data.shard_size
     shards = [(i, prompts[s: s + size]) for i, s in enumerate(range(0, len(prompts), size))]
     todo = [(i, chunk) for i, chunk in shards if _shard_count(out / f"shard-{i:05d}") != len(chunk)]
-    total = sum(len(c) for _, c in todo) * cfg.data.max_new_tokens
-    batch_size = distill_batch_size(cfg, rt, len(prompts)) if todo else 1
-    bar = tqdm(total=total, unit="tok", desc=f"distill {len(todo)}/{len(shards)} shards",
+    if not todo:
+        return out
+    flat = [(i, k) for i, chunk in todo for k in range(len(chunk))]  # (shard, index in it) per prompt
+    chunks = dict(todo)
+    answers: dict[int, dict[int, object]] = {i: {} for i, _ in todo}
+    batch_size = distill_batch_size(cfg, rt, len(prompts))
+    bar = tqdm(total=len(flat) * cfg.data.max_new_tokens, unit="tok", desc=f"distill {len(todo)}/{len(shards)} shards",
                disable=not show_progress)
-    for i, chunk in todo:
-        finished = answer_all(rt.engine, [ids for _, ids in chunk], cfg.data.max_new_tokens, batch_size, bar)
-        rows = {"prompt": [p for p, _ in chunk], "prompt_ids": [ids for _, ids in chunk],
-                "response_ids": [f.tokens for f in finished],
-                "response": [rt.decode(f.tokens) for f in finished],
-                "finish_reason": [f.reason for f in finished]}
-        _save_shard(Dataset.from_dict(rows), out / f"shard-{i:05d}")
+
+    def finished(f) -> None:
+        shard, k = flat[f.id]
+        answers[shard][k] = f
+        chunk = chunks[shard]
+        if len(answers[shard]) == len(chunk):
+            got = [answers[shard][k] for k in range(len(chunk))]
+            del answers[shard]
+            rows = {"prompt": [p for p, _ in chunk], "prompt_ids": [ids for _, ids in chunk],
+                    "response_ids": [g.tokens for g in got], "response": [rt.decode(g.tokens) for g in got],
+                    "finish_reason": [g.reason for g in got]}
+            _save_shard(Dataset.from_dict(rows), out / f"shard-{shard:05d}")
+
+    answer_all(rt.engine, [chunks[i][k][1] for i, k in flat], cfg.data.max_new_tokens, batch_size, bar, finished)
     bar.close()
     return out
 
