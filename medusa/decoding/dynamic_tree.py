@@ -61,7 +61,7 @@ class RowTrees:
 
     def candidates(self, tokens: torch.Tensor) -> Candidates:
         """What the verifier reads, for tokens [n, T] (the roots, then `self.tokens`)."""
-        return Candidates(tokens, self.paths, self.path_len, self.children, self.parent, self.proposal)
+        return Candidates(tokens, self.paths, self.path_len, self.children, self.parent, self.depth, self.proposal)
 
 
 def row_trees(tokens: torch.Tensor, parent: torch.Tensor, live: torch.Tensor, depth_bound: int,

@@ -24,6 +24,7 @@ class Candidates:
     path_len:  [n, P] long, non-root nodes on each path (0: a path that can accept nothing)
     children:  [n, T, C] long, each node's children in rank order, padded with -1
     parent:    [n, T] long, each node's parent (the root: 0)
+    node_depth: [n, T] long, each node's depth (the root: 0)
     proposal:  [n, T-1, V] float or None: the distribution each candidate was drawn from (None: point
                masses, i.e. deterministic top-k picks)
     """
@@ -33,6 +34,7 @@ class Candidates:
     path_len: torch.Tensor
     children: torch.Tensor
     parent: torch.Tensor
+    node_depth: torch.Tensor
     proposal: torch.Tensor | None = None
 
     @classmethod
@@ -40,7 +42,7 @@ class Candidates:
         """Every row on the same static tree (expanded views: no copies)."""
         n = tokens.shape[0]
         return cls(tokens, tree.paths.expand(n, -1, -1), tree.path_len.expand(n, -1),
-                   tree.children.expand(n, -1, -1), tree.parent.expand(n, -1), proposal)
+                   tree.children.expand(n, -1, -1), tree.parent.expand(n, -1), tree.depth.expand(n, -1), proposal)
 
     @property
     def depth(self) -> int:
@@ -50,14 +52,6 @@ class Candidates:
         """values [n, T] read along every path from node index `start` on: [n, P, D+1-start]."""
         n, p, d1 = self.paths.shape
         return values.gather(1, self.paths[:, :, start:].reshape(n, -1)).view(n, p, d1 - start)
-
-    def node_depth(self) -> torch.Tensor:
-        """[n, T] long: each node's depth (the root's is 0)."""
-        depth = torch.zeros_like(self.parent)
-        root = torch.arange(depth.shape[1], device=depth.device) == 0
-        for _ in range(self.depth):
-            depth = torch.where(root, 0, depth.gather(1, self.parent) + 1)
-        return depth
 
     def longest(self, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ok [n, P, D]: node k+1 of each path passes. The longest passing prefix per row: (accepted [n],
@@ -139,7 +133,7 @@ class SamplingVerifier:
     @staticmethod
     def _match(p, cand: Candidates, sampling, rows) -> Verdict:
         n, t, v = p.shape
-        u = sampling.uniform_at(rows, cand.node_depth())  # the output position each node's successor takes
+        u = sampling.uniform_at(rows, cand.node_depth)  # the output position each node's successor takes
         return _matching(cand, sample_from(p.reshape(n * t, v), u.reshape(-1)).view(n, t))
 
     @staticmethod
