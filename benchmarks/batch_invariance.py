@@ -8,8 +8,9 @@ Prompts: `benchmarks/prompts/mixed.jsonl` (translation, summarisation, reading c
 writing), then MT-bench and ShareGPT first turns up to --num-prompts. For each setting (invariance on, off)
 the reference is plain decoding of each prompt alone; every proposer (`--specs`, the mode names of
 `medusa generate --mode`) then decodes the prompts in consecutive batches of each `--batch-sizes` (rows of
-different lengths finish and leave at different steps), and each row's tokens are compared with its
-reference: identical rows, and where the others first part. Speed: plain decoding and the default
+different lengths finish and leave at different steps) and, for batch sizes above 1, in a running batch
+that a new prompt joins whenever a row leaves; each row's tokens are compared with its reference:
+identical rows, and where the others first part. Speed: plain decoding and the default
 (auto) decoding of the first prompts at batch size 1, invariance on and off interleaved, medians.
 """
 
@@ -43,20 +44,48 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def continuous(engine, prompts: list[list[int]], new: int, proposer, size: int) -> tuple[list[list[int]], list[int]]:
+    """Each prompt's tokens when `size` rows decode at a time and the next prompt joins the running batch
+    (its own prefill pass) as soon as a row leaves; prompts get different token limits (new, 3/4 new, new/2),
+    so rows leave at different steps."""
+    from medusa.decoding.transformer import cache_capacity
+
+    limits = [max(1, new * (4 - i % 3) // 4) for i in range(len(prompts))]
+    batch = engine.new_batch(size, cache_capacity(max(map(len, prompts)), new, proposer.tree.size if proposer else 1),
+                             new)
+    if proposer is not None:
+        proposer.attach(batch)
+    done: dict[int, list[int]] = {}
+    waiting = list(range(len(prompts)))
+    while waiting or batch.n:
+        take, waiting = waiting[: batch.free], waiting[batch.free:]
+        outs = [engine.add(batch, take, [prompts[i] for i in take], [limits[i] for i in take])] if take else []
+        if batch.n:
+            outs.append(engine.step(batch, proposer))
+        for out in outs:
+            done.update({f.id: f.tokens for f in out.finished})
+    return [done[i] for i in range(len(prompts))], limits
+
+
 def compare(rt, prompts, reference, specs, sizes, new: int) -> dict:
+    """Every proposer's rows against `reference` (plain decoding alone): in consecutive fixed batches, and
+    with rows joining as others leave."""
     out = {}
     for spec in specs:
         tree = "dynamic-16x5" if spec == "medusa" else None
         for size in sizes:
-            proposer = rt.proposer(spec, tree)
+            runs = {}
             got = []
             for i in range(0, len(prompts), size):
-                got += [o.tokens for o in rt.engine.generate(prompts[i: i + size], new, proposer).outputs]
-            diffs = [first_difference(r, g) for r, g in zip(reference, got)]
-            out[f"{spec} x{size}"] = {"identical": sum(d is None for d in diffs), "rows": len(diffs),
-                                      "first_differences": [d for d in diffs if d is not None]}
-            print(f"  {spec:>12} batch {size}: identical {out[f'{spec} x{size}']['identical']}/{len(diffs)}",
-                  flush=True)
+                got += [o.tokens for o in rt.engine.generate(prompts[i: i + size], new, rt.proposer(spec, tree)).outputs]
+            runs[f"{spec} x{size}"] = [first_difference(r, g) for r, g in zip(reference, got)]
+            if size > 1:
+                got, limits = continuous(rt.engine, prompts, new, rt.proposer(spec, tree), size)
+                runs[f"{spec} x{size} joining"] = [first_difference(r[:n], g) for r, g, n in zip(reference, got, limits)]
+            for name, diffs in runs.items():
+                out[name] = {"identical": sum(d is None for d in diffs), "rows": len(diffs),
+                             "first_differences": [d for d in diffs if d is not None]}
+                print(f"  {name:>24}: identical {out[name]['identical']}/{len(diffs)}", flush=True)
     return out
 
 
@@ -89,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                     "(medusa: the default heads' dynamic-16x5 tree)")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
     ap.add_argument("--speed-prompts", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="speed rounds (0: no speed measurement)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-compare", action="store_true", help="speed only (on a quiet machine)")
     ap.add_argument("--json", default="benchmarks/results/batch-invariance.json")
@@ -107,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch invariance {'on' if inv else 'off'}", flush=True)
         reference = [rt.engine.generate([p], args.max_new_tokens).outputs[0].tokens for p in prompts]
         report["settings"]["on" if inv else "off"] = compare(rt, prompts, reference, specs, sizes, args.max_new_tokens)
-    report["speed_tokens_per_s"] = speed(rt, prompts[: args.speed_prompts], min(args.max_new_tokens, 128), args.repeats)
-    print(json.dumps(report["speed_tokens_per_s"], indent=1))
+    if args.repeats:
+        report["speed_tokens_per_s"] = speed(rt, prompts[: args.speed_prompts], min(args.max_new_tokens, 128),
+                                             args.repeats)
+        print(json.dumps(report["speed_tokens_per_s"], indent=1))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0

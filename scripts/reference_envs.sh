@@ -2,7 +2,9 @@
 # Build (once) the side virtual environments in which other projects' loaders read this project's exports:
 #   eagle   eagle-llm 1.2.1 (SafeAILab/EAGLE's release on PyPI) with transformers 4.53.3
 #   medusa  medusa-llm 0.1 (FasterDecoding/Medusa's release on PyPI) with transformers 4.36.2
-# Usage: bash scripts/reference_envs.sh NAME...   (NAME: eagle, medusa or all)
+#   eagle-train  eagle-llm 1.2.1 with what its trainer (eagle/train/main.py) imports beside the model code:
+#           accelerate and wandb (benchmarks/recipe_vs_reference.py; not used by the tests)
+# Usage: bash scripts/reference_envs.sh NAME...   (NAME: eagle, medusa, eagle-train or all: the first two)
 # Prints, for each NAME, "NAME PYTHON" where PYTHON is the environment's interpreter. An environment lives under
 # ${MEDUSA_REFENV_DIR:-~/.cache/medusa/refenv}/NAME-HASH, HASH naming its pins and the Python that built it, and
 # is reused while that directory holds a .complete marker; a build goes to a temporary directory renamed into
@@ -19,8 +21,9 @@ TORCH_PIN="torch==2.13.0"   # the release scripts/setup.sh installs
 pins() {
   case "$1" in
     eagle)  echo "$TORCH_PIN transformers==4.53.3 tokenizers==0.21.4 safetensors==0.5.3 huggingface-hub==0.34.4 numpy==1.26.4 | eagle-llm==1.2.1" ;;
+    eagle-train) echo "$TORCH_PIN transformers==4.53.3 tokenizers==0.21.4 safetensors==0.5.3 huggingface-hub==0.34.4 numpy==1.26.4 accelerate==1.16.0 wandb==0.31.0 tqdm | eagle-llm==1.2.1" ;;
     medusa) echo "$TORCH_PIN transformers==4.36.2 tokenizers==0.15.2 safetensors==0.4.5 huggingface-hub==0.20.3 numpy==1.26.4 | medusa-llm==0.1" ;;
-    *) echo "reference_envs.sh: unknown environment '$1' (choose eagle, medusa or all)" >&2; return 2 ;;
+    *) echo "reference_envs.sh: unknown environment '$1' (choose eagle, medusa, eagle-train or all)" >&2; return 2 ;;
   esac
 }
 
@@ -51,7 +54,7 @@ build() {
   echo "$name $dir/bin/python"
 }
 
-[ $# -ge 1 ] || { echo "usage: bash scripts/reference_envs.sh eagle|medusa|all ..." >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: bash scripts/reference_envs.sh eagle|medusa|eagle-train|all ..." >&2; exit 2; }
 for arg in "$@"; do
   if [ "$arg" = all ]; then build eagle; build medusa; else build "$arg"; fi
 done

@@ -178,7 +178,7 @@ def head_loss(head, cfg: FeatureTrainConfig, feats: torch.Tensor, tokens: torch.
 # ---- the run --------------------------------------------------------------------------------------
 
 
-def _chunks(cfg: FeatureTrainConfig, groups: list[tuple[str, list[dict]]]) -> list[tuple[str, list[dict]]]:
+def chunk_groups(cfg: FeatureTrainConfig, groups: list[tuple[str, list[dict]]]) -> list[tuple[str, list[dict]]]:
     """Each group cut into named chunks of `cfg.chunk` sequences (one cached feature file each)."""
     out = []
     for name, exs in groups:
@@ -187,7 +187,7 @@ def _chunks(cfg: FeatureTrainConfig, groups: list[tuple[str, list[dict]]]) -> li
     return out
 
 
-def _features(cfg: FeatureTrainConfig, groups, base: dict, fn, progress: bool) -> Features:
+def training_features(cfg: FeatureTrainConfig, groups, base: dict, fn, progress: bool) -> Features:
     parts = []
     for name, exs in groups:
         key = table_key(base, cfg.dtype, cfg.head.feature_layers, name, [e["input_ids"] for e in exs])
@@ -225,11 +225,11 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
     torch.manual_seed(cfg.seed)
     hf, tokenizer = load_target(cfg.model, cfg.dtype, "cpu" if not torch.cuda.is_available() else None)
     hf.eval().requires_grad_(False)
-    train_groups, held = split_groups(cfg, _chunks(cfg, load_examples(cfg, tokenizer)))
+    train_groups, held = split_groups(cfg, chunk_groups(cfg, load_examples(cfg, tokenizer)))
     base = ckpt.base_fingerprint(hf, cfg.model)
     fn = feature_fn(hf, cfg.head.feature_layers)
     t0 = time.perf_counter()
-    feats = _features(cfg, train_groups, base, fn, progress)
+    feats = training_features(cfg, train_groups, base, fn, progress)
     extract_seconds = time.perf_counter() - t0
     if prepare_only:
         return {"sequences": len(feats), "positions": feats.positions(), "seconds": extract_seconds}
@@ -262,7 +262,7 @@ def evaluate_saved(cfg: FeatureTrainConfig, head_dir: str | Path) -> dict:
         torch.set_num_threads(cfg.threads)
     hf, tokenizer = load_target(cfg.model, cfg.dtype, "cpu" if not torch.cuda.is_available() else None)
     hf.eval().requires_grad_(False)
-    _, held = split_groups(cfg, _chunks(cfg, load_examples(cfg, tokenizer)))
+    _, held = split_groups(cfg, chunk_groups(cfg, load_examples(cfg, tokenizer)))
     head = FeatureHead.load(head_dir, hf).float()
     full_to_draft = draft_map(head.config.vocab_size, head.draft_ids)
     path = Path(head_dir) / "eval.json"
