@@ -6,12 +6,13 @@ decoding alone, with batch-invariant attention on and off; and what invariance c
 
 Prompts: `benchmarks/prompts/mixed.jsonl` (translation, summarisation, reading comprehension, math, code,
 writing), then MT-bench and ShareGPT first turns up to --num-prompts. For each setting (invariance on, off)
-the reference is plain decoding of each prompt alone; every proposer (`--specs`, the mode names of
-`medusa generate --mode`) then decodes the prompts in consecutive batches of each `--batch-sizes` (rows of
-different lengths finish and leave at different steps) and, for batch sizes above 1, in a running batch
-that a new prompt joins whenever a row leaves; each row's tokens are compared with its reference:
-identical rows, and where the others first part. Speed: plain decoding and the default
-(auto) decoding of the first prompts at batch size 1, invariance on and off interleaved, medians.
+the reference is plain decoding of each prompt alone; every proposer (`--specs`: the shipped Medusa heads'
+static tree, the shipped feature head's dynamic tree, lookup, the draft model) then decodes the prompts in
+consecutive batches of each `--batch-sizes` (rows of different lengths finish and leave at different steps)
+and, for batch sizes above 1, in a running batch that a new prompt joins whenever a row leaves; each row's
+tokens are compared with its reference: identical rows, and where the others first part. Speed: plain
+decoding and the default (auto) decoding of the first prompts at batch size 1, invariance on and off
+interleaved, medians.
 """
 
 from __future__ import annotations
@@ -72,16 +73,19 @@ def compare(rt, prompts, reference, specs, sizes, new: int) -> dict:
     with rows joining as others leave."""
     out = {}
     for spec in specs:
-        tree = "dynamic-16x5" if spec == "medusa" else None
+        mode, _, tree = spec.partition(":")
+        tree = tree or ("dynamic-16x5" if mode == "medusa" else None)
         for size in sizes:
             runs = {}
             got = []
             for i in range(0, len(prompts), size):
-                got += [o.tokens for o in rt.engine.generate(prompts[i: i + size], new, rt.proposer(spec, tree)).outputs]
+                gen = rt.engine.generate(prompts[i: i + size], new, rt.proposer(mode, tree))
+                got += [o.tokens for o in gen.outputs]
             runs[f"{spec} x{size}"] = [first_difference(r, g) for r, g in zip(reference, got)]
             if size > 1:
-                got, limits = continuous(rt.engine, prompts, new, rt.proposer(spec, tree), size)
-                runs[f"{spec} x{size} joining"] = [first_difference(r[:n], g) for r, g, n in zip(reference, got, limits)]
+                got, limits = continuous(rt.engine, prompts, new, rt.proposer(mode, tree), size)
+                runs[f"{spec} x{size} joining"] = [first_difference(r[:n], g)
+                                                    for r, g, n in zip(reference, got, limits)]
             for name, diffs in runs.items():
                 out[name] = {"identical": sum(d is None for d in diffs), "rows": len(diffs),
                              "first_differences": [d for d in diffs if d is not None]}
@@ -114,8 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-prompts", type=int, default=50)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--specs", default="plain,medusa,lookup,draft", help="mode names, comma-separated "
-                    "(medusa: the default heads' dynamic-16x5 tree)")
+    ap.add_argument("--specs", default="plain,medusa:tree-8,medusa:dynamic-16x5,lookup,draft",
+                    help="mode names of `medusa generate --mode`, comma-separated, each with :TREE where it takes "
+                    "one (medusa:tree-8: the shipped Medusa heads' static tree; medusa:dynamic-16x5: the shipped "
+                    "feature head's dynamic tree, also what a bare `medusa` means)")
+    ap.add_argument("--invariance", choices=("both", "on", "off"), default="both",
+                    help="the settings compared (both: on, then off)")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
     ap.add_argument("--speed-prompts", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="speed rounds (0: no speed measurement)")
@@ -131,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"cpu": {"model": machine(rt.model.device).name, "machine": platform.machine(),
                       "threads": torch.get_num_threads(), "native_bf16": machine(rt.model.device).native_bf16},
               "dtype": "bf16", "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "settings": {}}
-    for inv in () if args.no_compare else (True, False):
+    settings = {"both": (True, False), "on": (True,), "off": (False,)}[args.invariance]
+    for inv in () if args.no_compare else settings:
         rt.model.invariant = inv
         print(f"batch invariance {'on' if inv else 'off'}", flush=True)
         reference = [rt.engine.generate([p], args.max_new_tokens).outputs[0].tokens for p in prompts]

@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                                           args.threads)
         head = FeatureHead.load(head_dir, hf).float()
         report = evaluate_head(head, cfg, hf, fn, held, draft_map(head.config.vocab_size, head.draft_ids))
-        heads[f"reference lr {lr:g}"] = {"dir": str(head_dir), "steps": args.epochs * math.ceil(len(feats) / args.batch_size),
+        steps = args.epochs * math.ceil(len(feats) / args.batch_size)
+        heads[f"reference lr {lr:g}"] = {"dir": str(head_dir), "steps": steps,
                                          "train_seconds": round(seconds, 1), "top1": report.get("top1")}
 
     sys.path.insert(0, str(ROOT / "benchmarks"))

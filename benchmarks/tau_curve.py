@@ -1,8 +1,11 @@
 """tau against trained positions and unique prompts, as a plot: one series per training set.
 
-    python benchmarks/tau_curve.py --out benchmarks/results/tau_curve.png \
-        --series "640 prompts, ShareGPT's answers=benchmarks/results/feature_tau_sizes.json,benchmarks/results/feature_tau_5ep.json" \
-        --series "8232 prompts, distilled=benchmarks/results/feature_tau_8k.json"
+    python benchmarks/tau_curve.py --out docs/img/tau_curve.png \
+        --title "Feature head: tau against trained positions (MT-bench, dynamic-16x5)" \
+        --series "8,232 distilled prompts=benchmarks/results/feature_tau_8k_mtbench_a.json,\
+benchmarks/results/feature_tau_8k_mtbench_b.json|checkpoints" \
+        --series "16,512 distilled prompts=benchmarks/results/feature_tau_16k_mtbench.json|feature-16k" \
+        --series "24,576 distilled prompts=benchmarks/results/feature_tau_24k_mtbench.json|feature-24k"
 
 Each FILE is a `benchmarks/feature_tau.py --json` result (or an object of them); every result row with a
 `trained_tokens` count is one point (x: trained positions, y: tau), series by its label. A series written
