@@ -4,13 +4,22 @@ decoding alone, with batch-invariant attention on and off; and what invariance c
     python benchmarks/batch_invariance.py --num-prompts 50 --max-new-tokens 256 \
         --json benchmarks/results/batch-invariance.json
 
+Split over processes (one thread each), the proposers divided between them and plain decoding done once:
+
+    python benchmarks/batch_invariance.py --invariance on --threads 1 --specs plain,medusa:tree-8,lookup \
+        --reference runs/reference.json --json A.json &
+    python benchmarks/batch_invariance.py --invariance on --threads 1 --specs medusa:dynamic-16x5,draft \
+        --reference runs/reference.json --wait-reference --json B.json
+
 Prompts: `benchmarks/prompts/mixed.jsonl` (translation, summarisation, reading comprehension, math, code,
 writing), then MT-bench and ShareGPT first turns up to --num-prompts. For each setting (invariance on, off)
 the reference is plain decoding of each prompt alone; every proposer (`--specs`: the shipped Medusa heads'
 static tree, the shipped feature head's dynamic tree, lookup, the draft model) then decodes the prompts in
-consecutive batches of each `--batch-sizes` (rows of different lengths finish and leave at different steps)
-and, for batch sizes above 1, in a running batch that a new prompt joins whenever a row leaves; each row's
-tokens are compared with its reference: identical rows, and where the others first part. Speed: plain
+consecutive batches of each `--batch-sizes` (rows of different lengths finish and leave at different steps;
+plain decoding alone is the reference itself and is not repeated) and in a running batch of each `--joining`
+size that a new prompt joins whenever a row leaves; each row's tokens are compared with its reference:
+identical rows, and where the others first part. The JSON is rewritten after every case, so a stopped run
+keeps what it measured. Speed: plain
 decoding and the default (auto) decoding of the first prompts at batch size 1, invariance on and off
 interleaved, medians.
 """
@@ -68,29 +77,63 @@ def continuous(engine, prompts: list[list[int]], new: int, proposer, size: int) 
     return [done[i] for i in range(len(prompts))], limits
 
 
-def compare(rt, prompts, reference, specs, sizes, new: int) -> dict:
-    """Every proposer's rows against `reference` (plain decoding alone): in consecutive fixed batches, and
-    with rows joining as others leave."""
-    out = {}
+def compare(rt, prompts, reference, specs, sizes, joining, new: int, out: dict, save) -> dict:
+    """Every proposer's rows against `reference()` (plain decoding alone) into `out`: in consecutive fixed
+    batches of each of `sizes`, and in running batches of each of `joining` with rows joining as others
+    leave; `save()` after every case."""
     for spec in specs:
         mode, _, tree = spec.partition(":")
         tree = tree or ("dynamic-16x5" if mode == "medusa" else None)
-        for size in sizes:
-            runs = {}
-            got = []
-            for i in range(0, len(prompts), size):
-                gen = rt.engine.generate(prompts[i: i + size], new, rt.proposer(mode, tree))
-                got += [o.tokens for o in gen.outputs]
-            runs[f"{spec} x{size}"] = [first_difference(r, g) for r, g in zip(reference, got)]
-            if size > 1:
+        cases = [(size, False) for size in sizes if not (mode == "plain" and size == 1)]
+        for size, joins in cases + [(size, True) for size in joining]:
+            if joins:
                 got, limits = continuous(rt.engine, prompts, new, rt.proposer(mode, tree), size)
-                runs[f"{spec} x{size} joining"] = [first_difference(r[:n], g)
-                                                    for r, g, n in zip(reference, got, limits)]
-            for name, diffs in runs.items():
-                out[name] = {"identical": sum(d is None for d in diffs), "rows": len(diffs),
-                             "first_differences": [d for d in diffs if d is not None]}
-                print(f"  {name:>24}: identical {out[name]['identical']}/{len(diffs)}", flush=True)
+                name = f"{spec} x{size} joining"
+            else:
+                got, limits = [], [new] * len(prompts)
+                for i in range(0, len(prompts), size):
+                    gen = rt.engine.generate(prompts[i: i + size], new, rt.proposer(mode, tree))
+                    got += [o.tokens for o in gen.outputs]
+                name = f"{spec} x{size}"
+            diffs = [first_difference(r[:n], g) for r, g, n in zip(reference(), got, limits)]
+            out[name] = {"identical": sum(d is None for d in diffs), "rows": len(diffs),
+                         "first_differences": [d for d in diffs if d is not None]}
+            print(f"  {name:>32}: identical {out[name]['identical']}/{len(diffs)}", flush=True)
+            save()
     return out
+
+
+def plain_alone(rt, prompts, new: int, path: str | None, wait: bool, setting: str):
+    """A callable giving plain decoding of each prompt alone (the reference), computed at its first call;
+    with `path`, read from that file when it holds this setting, prompts and length (with `wait`, until
+    another process has written it), else computed and written there."""
+    key = {"setting": setting, "prompts": prompts, "max_new_tokens": new}
+    cached: list = []
+
+    def read():
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return None
+        return data["tokens"] if {k: data.get(k) for k in key} == key else None
+
+    def get():
+        if cached:
+            return cached[0]
+        tokens = read() if path else None
+        while tokens is None and wait:
+            time.sleep(10)
+            tokens = read()
+        if tokens is None:
+            tokens = [rt.engine.generate([p], new).outputs[0].tokens for p in prompts]
+            if path:
+                tmp = Path(f"{path}.tmp")
+                tmp.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_text(json.dumps({**key, "tokens": tokens}))
+                tmp.replace(path)
+        cached.append(tokens)
+        return tokens
+    return get
 
 
 def speed(rt, prompts, new: int, repeats: int) -> dict:
@@ -124,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
                     "feature head's dynamic tree, also what a bare `medusa` means)")
     ap.add_argument("--invariance", choices=("both", "on", "off"), default="both",
                     help="the settings compared (both: on, then off)")
-    ap.add_argument("--batch-sizes", default="1,2,4,8")
+    ap.add_argument("--batch-sizes", default="1,2,4,8", help="fixed consecutive batches ('': none)")
+    ap.add_argument("--joining", default="2,4,8", help="running batches that prompts join ('': none)")
+    ap.add_argument("--reference", default=None,
+                    help="file for plain decoding alone, shared by processes that split --specs")
+    ap.add_argument("--wait-reference", action="store_true",
+                    help="wait for another process to write --reference instead of computing it")
     ap.add_argument("--speed-prompts", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="speed rounds (0: no speed measurement)")
     ap.add_argument("--threads", type=int, default=None)
@@ -135,22 +183,30 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     rt = Runtime.load("default", "default", "bf16", "cpu", batch_invariant=True)
     prompts = rt.encode(prompt_set(args.num_prompts))
-    specs, sizes = args.specs.split(","), [int(s) for s in args.batch_sizes.split(",")]
+    specs = args.specs.split(",")
+    sizes, joining = ([int(s) for s in arg.split(",") if s] for arg in (args.batch_sizes, args.joining))
     report = {"cpu": {"model": machine(rt.model.device).name, "machine": platform.machine(),
                       "threads": torch.get_num_threads(), "native_bf16": machine(rt.model.device).native_bf16},
               "dtype": "bf16", "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "settings": {}}
+
+    def save():
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
     settings = {"both": (True, False), "on": (True,), "off": (False,)}[args.invariance]
     for inv in () if args.no_compare else settings:
         rt.model.invariant = inv
-        print(f"batch invariance {'on' if inv else 'off'}", flush=True)
-        reference = [rt.engine.generate([p], args.max_new_tokens).outputs[0].tokens for p in prompts]
-        report["settings"]["on" if inv else "off"] = compare(rt, prompts, reference, specs, sizes, args.max_new_tokens)
+        setting = "on" if inv else "off"
+        print(f"batch invariance {setting}", flush=True)
+        reference = plain_alone(rt, prompts, args.max_new_tokens, args.reference and f"{args.reference}.{setting}",
+                                args.wait_reference, setting)
+        report["settings"][setting] = {}
+        compare(rt, prompts, reference, specs, sizes, joining, args.max_new_tokens, report["settings"][setting], save)
     if args.repeats:
         report["speed_tokens_per_s"] = speed(rt, prompts[: args.speed_prompts], min(args.max_new_tokens, 128),
                                              args.repeats)
         print(json.dumps(report["speed_tokens_per_s"], indent=1))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    save()
     return 0
 
 

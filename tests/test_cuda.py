@@ -25,8 +25,8 @@ import torch
 from conftest import hf_greedy, mixed_prompts, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers import MedusaProposer, Proposer
-from medusa.decoding.transformer import (RMSNorm, Transformer, attention_dtype, cache_dtype, mirrored_norm,
-                                pack_weights)
+from medusa.decoding.linear import pack_weights
+from medusa.decoding.transformer import RMSNorm, Transformer, attention_dtype, cache_dtype, mirrored_norm
 from medusa.decoding.tree import chain, load_tree
 
 cuda = pytest.mark.cuda

@@ -172,7 +172,7 @@ def test_remove_cancels_a_row():
 
 @pytest.mark.parametrize("pack", [False, True])
 def test_linear_and_fused_residual_match_reference(pack):
-    from medusa.decoding.transformer import Linear, packing_available
+    from medusa.decoding.linear import Linear, packing_available
 
     lin = torch.nn.Linear(64, 300, bias=True).to(torch.bfloat16)
     if pack and not packing_available(lin.weight):

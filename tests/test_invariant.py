@@ -96,6 +96,31 @@ def test_projections_norms_and_logits_give_a_row_the_same_bits_among_others():
             assert torch.equal(op(x[:, :rows])[:, :1], alone), f"{name} with {rows} rows"
 
 
+@needs_invariance
+def test_a_long_reduction_gives_a_row_the_same_bits_in_a_pass_of_hundreds_of_rows():
+    """A projection of 1,536 inputs (the embedded model's MLP down-projection) in passes the size of a batched
+    prefill: with the model invariant each row gets its bits alone; the kernels alone would split the
+    reduction differently above ~130 rows."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
+                                         num_attention_heads=9, num_key_value_heads=3)).eval().bfloat16()
+    tr = Transformer(model)
+    tr.invariant = True
+    w2 = tr.layers[0].w2
+    assert w2.row_block == invariant.ROW_BLOCK
+    x = torch.randn(1, 420, 1536, generator=torch.Generator().manual_seed(1)).bfloat16()
+    res = torch.randn(1, 420, 576, generator=torch.Generator().manual_seed(2)).bfloat16()
+    alone = torch.cat([w2.forward(x[:, i: i + 1]) for i in range(420)], dim=1)
+    alone_plus = torch.cat([w2.plus(x[:, i: i + 1], res[:, i: i + 1]) for i in range(420)], dim=1)
+    for rows in range(120, 421, 3):
+        assert torch.equal(w2.forward(x[:, :rows]), alone[:, :rows]), f"{rows} rows"
+        assert torch.equal(w2.plus(x[:, :rows], res[:, :rows]), alone_plus[:, :rows]), f"{rows} rows, residual"
+    tr.invariant = False
+    assert w2.row_block is None
+
+
 def decode(engine: Engine, prompts: list[list[int]], limits: list[int], proposer, late: int = 0) -> list[list[int]]:
     """Greedy tokens of each prompt decoded together, each to its own limit (rows leave as they finish);
     the last `late` prompts join the running batch after three steps."""

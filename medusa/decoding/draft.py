@@ -33,7 +33,8 @@ from medusa.io import ASSETS
 from medusa.decoding.proposers import Proposal, Proposer, RowState
 from medusa.decoding.ragged import aux_state, catch_up, common_prefix, context
 from medusa.decoding.sampling import argmax
-from medusa.decoding.transformer import KVCache, Transformer, causal, packed_linear, rows_linear
+from medusa.decoding.linear import packed_linear, rows_linear
+from medusa.decoding.transformer import KVCache, Transformer, causal
 from medusa.decoding.tree import chain
 
 if TYPE_CHECKING:

@@ -19,8 +19,9 @@ from medusa.decoding.feature_heads import FeatureHead
 from medusa.decoding.proposers import RowState
 from medusa.errors import MedusaError
 from medusa.decoding.attention import pass_mask, short_block_bias
+from medusa.decoding.linear import packed_linear, rows_linear
 from medusa.decoding.transformer import (SHORT_BLOCK, DecoderLayer, KVCache, RMSNorm, Transformer, attention_dtype,
-                                         cache_dtype, packed_linear, rope_tables, rows_linear)
+                                         cache_dtype, rope_tables)
 
 if TYPE_CHECKING:
     from medusa.decoding.verifier import Verdict

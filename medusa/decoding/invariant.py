@@ -18,6 +18,11 @@ This attention keeps every reduction in a fixed order (`probe` checks that the m
   so a node's ancestors, stored among their siblings, add up exactly as they do in a row of their own. The
   normaliser is the same chain over ones. The groups' sums are then added in order by one more chain.
 
+The linear layers need one thing more: oneDNN's bf16 kernels give a row the same bits in a matmul of any
+number of rows up to about a hundred, but above that (a batched prefill) they may split a long reduction
+(1,536 inputs here) into blocks in an order that depends on the number of rows. With invariance on, every
+projection runs at most ROW_BLOCK rows per matmul (`medusa.decoding.linear.Linear.row_block`).
+
 Committed keys and prompt chunks sit at their canonical positions already: their groups are the cache's own
 blocks of GROUP slots, read in place. Only a tree's nodes can sit in a later block than their group (a node
 is stored at its index, which can exceed its depth); the two blocks around each row's length are then
@@ -33,6 +38,7 @@ import torch
 
 MIN_ROWS = 16  # fp32 matmuls with fewer rows take other kernels, with other rounding
 GROUP = 64  # canonical positions per group of keys; cache windows are read in whole groups
+ROW_BLOCK = 64  # rows per matmul of an invariant pass's projections (the kernels split long reductions above ~130)
 
 
 @dataclass
@@ -131,21 +137,25 @@ def tail_sums(e: torch.Tensor, vo: torch.Tensor, tail: Tail, part: torch.Tensor)
 
 @functools.lru_cache(maxsize=8)
 def probe(device: str, dtype: torch.dtype) -> str | None:
-    """Whether this machine's kernels give the fixed order the guarantee rests on (None), or why not: a bf16
-    projection of one row alone and among 37, and this attention for one query alone, in a batch and as a
+    """Whether this machine's kernels give the fixed order the guarantee rests on (None), or why not: bf16
+    projections of one row alone and among others (37 rows of 96 inputs; 133 rows of 1,536 inputs, a model's MLP
+    down-projection, in blocks of ROW_BLOCK), and this attention for one query alone, in a batch and as a
     tree node whose ancestors straddle a group, must give the same bits."""
     from medusa.decoding.attention import pass_mask
-    from medusa.decoding.transformer import causal, packed_linear
+    from medusa.decoding.linear import packed_linear
+    from medusa.decoding.transformer import causal
 
     if torch.device(device).type != "cpu":
         return f"batch-invariant attention is measured on CPUs only, not on {device}"
     gen = torch.Generator().manual_seed(0)
-    lin = torch.nn.Linear(96, 80, bias=False).to(dtype)
-    lin.weight.data = torch.randn(80, 96, generator=gen).to(dtype)
-    x = torch.randn(37, 1, 96, generator=gen).to(dtype)
-    proj = packed_linear(lin)
-    if not torch.equal(proj(x[:1]), proj(x)[:1]):
-        return f"this CPU's {dtype} matrix products round a row differently beside other rows"
+    for n_in, n_out, rows in ((96, 80, 37), (1536, 576, 2 * ROW_BLOCK + 5)):  # a short reduction; a long one
+        lin = torch.nn.Linear(n_in, n_out, bias=False).to(dtype)
+        lin.weight.data = torch.randn(n_out, n_in, generator=gen).to(dtype)
+        x = torch.randn(rows, 1, n_in, generator=gen).to(dtype)
+        proj = packed_linear(lin)
+        proj.row_block = ROW_BLOCK
+        if not torch.equal(torch.cat([proj(r[None]) for r in x]), proj(x.view(1, rows, n_in)).view(rows, 1, -1)):
+            return f"this CPU's {dtype} matrix products round a row differently beside other rows"
     kvh, g, d, lens = 1, 2, 16, [62, 9, 120]
     w = window(max(lens) + 6, 1 << 30)
     k = torch.randn(3, kvh, w, d, generator=gen)
