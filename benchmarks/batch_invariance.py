@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -176,18 +177,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speed-prompts", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="speed rounds (0: no speed measurement)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                    help="fp32: what auto picks on CPUs without native bf16 (speed and tokens alike)")
     ap.add_argument("--no-compare", action="store_true", help="speed only (on a quiet machine)")
     ap.add_argument("--json", default="benchmarks/results/batch-invariance.json")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rt = Runtime.load("default", "default", "bf16", "cpu", batch_invariant=True)
+    rt = Runtime.load("default", "default", args.dtype, "cpu", batch_invariant=True)
     prompts = rt.encode(prompt_set(args.num_prompts))
     specs = args.specs.split(",")
     sizes, joining = ([int(s) for s in arg.split(",") if s] for arg in (args.batch_sizes, args.joining))
     report = {"cpu": {"model": machine(rt.model.device).name, "machine": platform.machine(),
-                      "threads": torch.get_num_threads(), "native_bf16": machine(rt.model.device).native_bf16},
-              "dtype": "bf16", "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "settings": {}}
+                      "threads": torch.get_num_threads(), "native_bf16": machine(rt.model.device).native_bf16,
+                      "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")},
+              "dtype": args.dtype, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "settings": {}}
 
     def save():
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """Which ops give a row a result that depends on the shape of the pass it is in.
 
 For the embedded model (bf16 where the CPU multiplies it natively), each op on the decoding path is run on
-one row alone and on the same row inside passes of 2..64 rows (at the first position and at a middle one),
-and the results are compared bit for bit: the fused projections of a layer (wqkv, wo, w13, w2) and the
+one row alone and on the same row inside passes of 2..64 rows (for the projections, every row of passes of
+2..512 rows against each row alone: a batched prefill reaches hundreds), and the results are compared bit for bit: the fused projections of a layer (wqkv, wo, w13, w2) and the
 vocabulary projection (lm_head), the RMSNorm, attention over a cached prefix (a row's one query alone and
 beside other rows; and the root of a 16-token tree against the same token alone), and the whole forward
 pass (a row's last hidden state, one token alone against the same token in a batch, and in a tree pass).
@@ -25,6 +25,7 @@ from medusa.decoding.transformer import causal
 from medusa.io import write_json_atomic
 
 ROWS = [2, 4, 8, 16, 32, 64]
+LINEAR_ROWS = ROWS + [128, 192, 256, 512]  # a batched prefill's projections reach hundreds of rows
 
 
 def compare(alone: torch.Tensor, inside: torch.Tensor) -> dict:
@@ -40,20 +41,15 @@ def ops(model) -> dict:
 
 
 def linear_rows(model, g: torch.Generator) -> dict[str, dict]:
-    """Each op on row 0 alone, then inside M rows at position 0 and at position M // 2."""
+    """Each op on every row alone, against the same rows in one pass of M rows (all of them compared: a
+    kernel may round only some rows of a pass differently, such as those past a block of rows)."""
     out = {}
     for name, op in ops(model).items():
         width = {"wo": model.layers[0].wo.in_features, "w2": model.layers[0].w2.in_features}.get(
             name, model.config.hidden_size)
-        x = torch.randn(64, width, generator=g).to(model.dtype)
-        alone = op(x[None, :1])[0, 0]
-        out[name] = {}
-        for m in ROWS:
-            batch = x[:m].clone()
-            first = op(batch[None])[0, 0]
-            batch[m // 2] = x[0]
-            middle = op(batch[None])[0, m // 2]
-            out[name][m] = {"first": compare(alone, first), "middle": compare(alone, middle)}
+        x = torch.randn(max(LINEAR_ROWS), width, generator=g).to(model.dtype)
+        alone = torch.cat([op(x[None, i: i + 1])[0] for i in range(len(x))])
+        out[name] = {m: compare(alone[:m], op(x[None, :m])[0]) for m in LINEAR_ROWS}
     return out
 
 
@@ -122,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                   "forward": whole_pass(rt.model, g)}
     result = {**provenance(rt.model.dtype), **result}
     for name, by_m in result["ops"].items():
-        cells = " ".join(f"{m}:{c['first']['max_abs']:.1e}/{c['middle']['max_abs']:.1e}" for m, c in by_m.items())
+        cells = " ".join(f"{m}:{c['max_abs']:.1e}" for m, c in by_m.items())
         print(f"{name:8s} {cells}")
     for kind, by in result["attention"].items():
         print(f"attention {kind:22s} " + (f"{by['max_abs']:.1e}" if "max_abs" in by else
