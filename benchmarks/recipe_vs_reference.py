@@ -13,8 +13,8 @@
    own recipe: smooth-L1 on features + 0.1 x cross-entropy over the full vocabulary, uniform input noise, AdamW,
    linear warm-up over 2,000 steps to `--ref-lr` (theirs: 3e-5; more values, more runs). One of their epochs is
    ceil(sequences / batch) steps, ours floor(...): the counts are reported.
-   Their files include a test split they print (5%, by file name last); it is filled with the first few
-   positions of training sequences and plays no part here.
+   Their files include a test split they print (5%, by file name last); it is filled with the prompts and
+   first answer positions of training sequences and plays no part here.
 3. Both heads on our held-out split (top-1 per draft step, the head's own outputs fed back), and tau (tokens
    per verification, greedy, batch 1) with a dynamic tree on each prompt set of `--tau-prompts`
    (benchmarks/feature_tau.py). Their head drafts from the full vocabulary, ours from its draft vocabulary.
@@ -37,7 +37,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "benchmarks" / "eagle_reference_trainer.py"
 TRAIN_SHARE = 0.95  # their trainer trains on the first int(0.95 * files) files
-FILLER_TOKENS = 8  # positions in each file of their test split
+# Each file of their test split: a training sequence's prompt and its first FILLER_TOKENS answer positions (their
+# per-position accuracy loop is slow, and it divides by zero unless some positions are labelled), then
+# TEST_STEPS positions unlabelled, so that loop's 5 draft steps stop before the end of the file.
+FILLER_TOKENS = 16
+TEST_STEPS = 5
 
 
 def reference_python() -> str:
@@ -64,16 +68,22 @@ def write_reference_data(feats, out: Path, max_len: int) -> int:
     out.mkdir(parents=True, exist_ok=True)
     n = len(feats)
 
-    def save(name: str, i: int, length: int) -> None:
+    def save(name: str, i: int, length: int, test: bool = False) -> None:
         s = feats.seq(i)
+        mask = feats.answer[s.start: s.stop].long()
+        if test:  # the prompt, FILLER_TOKENS answer positions, then TEST_STEPS unlabelled ones
+            length = int(mask.nonzero()[0]) + FILLER_TOKENS + TEST_STEPS if mask.any() else length
         end = min(s.stop, s.start + length)
+        mask = mask[: end - s.start].clone()
+        if test:
+            mask[-TEST_STEPS:] = 0
         torch.save({"hidden_state": feats.feats[s.start: end].clone(), "input_ids": feats.tokens[s.start: end].clone(),
-                    "loss_mask": feats.answer[s.start: end].long()}, out / name)
+                    "loss_mask": mask}, out / name)
 
     for i in range(n):
         save(f"a-train-{i:06d}.ckpt", i, max_len)
-    for j in range(test_fillers(n)):  # the first few (prompt) positions: their per-position test loop is slow
-        save(f"b-test-{j:06d}.ckpt", j % n, FILLER_TOKENS)
+    for j in range(test_fillers(n)):
+        save(f"b-test-{j:06d}.ckpt", j % n, max_len, test=True)
     return n
 
 
