@@ -19,9 +19,8 @@ consecutive batches of each `--batch-sizes` (rows of different lengths finish an
 plain decoding alone is the reference itself and is not repeated) and in a running batch of each `--joining`
 size that a new prompt joins whenever a row leaves; each row's tokens are compared with its reference:
 identical rows, and where the others first part. The JSON is rewritten after every case, so a stopped run
-keeps what it measured. Speed: plain
-decoding and the default (auto) decoding of the first prompts at batch size 1, invariance on and off
-interleaved, medians.
+keeps what it measured. Speed: plain decoding and the default (auto) decoding of the first prompts at batch
+size 1, invariance on and off interleaved, medians.
 """
 
 from __future__ import annotations
@@ -35,6 +34,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from medusa.io import write_json_atomic
 
 
 def prompt_set(n: int) -> list[str]:
@@ -128,10 +129,7 @@ def plain_alone(rt, prompts, new: int, path: str | None, wait: bool, setting: st
         if tokens is None:
             tokens = [rt.engine.generate([p], new).outputs[0].tokens for p in prompts]
             if path:
-                tmp = Path(f"{path}.tmp")
-                tmp.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_text(json.dumps({**key, "tokens": tokens}))
-                tmp.replace(path)
+                write_json_atomic(Path(path), {**key, "tokens": tokens})
         cached.append(tokens)
         return tokens
     return get
@@ -193,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
                       "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")},
               "dtype": args.dtype, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "settings": {}}
 
+    for path in filter(None, (args.json, args.reference)):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+
     def save():
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        write_json_atomic(Path(args.json), report, indent=1)
 
     settings = {"both": (True, False), "on": (True,), "off": (False,)}[args.invariance]
     for inv in () if args.no_compare else settings:

@@ -19,7 +19,7 @@ This attention keeps every reduction in a fixed order (`probe` checks that the m
   normaliser is the same chain over ones. The groups' sums are then added in order by one more chain.
 
 The linear layers need one thing more: oneDNN's bf16 kernels give a row the same bits in a matmul of any
-number of rows up to about a hundred, but above that (a batched prefill) they may split a long reduction
+number of rows up to about 130, but above that (a batched prefill) they may split a long reduction
 (1,536 inputs here) into blocks in an order that depends on the number of rows. With invariance on, every
 projection runs at most ROW_BLOCK rows per matmul (`medusa.decoding.linear.Linear.row_block`).
 

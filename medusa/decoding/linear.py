@@ -49,14 +49,14 @@ class Linear(nn.Module):
     row_block: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_block is not None and x[..., 0].numel() > self.row_block:
+        if self.row_block is not None and x.numel() > self.row_block * x.shape[-1]:
             return by_rows(self.forward, self.row_block, x)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        if self.row_block is not None and x[..., 0].numel() > self.row_block:
+        if self.row_block is not None and x.numel() > self.row_block * x.shape[-1]:
             return by_rows(self.plus, self.row_block, x, other)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "add")
