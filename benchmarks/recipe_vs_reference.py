@@ -138,10 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     from medusa.decoding.feature_heads import FeatureHead
     from medusa.decoding.model import load_target
     from medusa.train import checkpoint as ckpt
-    from medusa.train.feature import (chunk_groups, draft_map, evaluate_head, load_feature_config, training_features,
+    from medusa.train.feature import (chunk_groups, evaluate_head, load_feature_config, training_features,
                                       run_feature_training)
     from medusa.train.data import load_examples, split_groups
-    from medusa.train.feature_data import feature_fn
+    from medusa.train.feature_data import draft_map, feature_fn
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs/feature/smollm2-feature.yaml"))

@@ -472,6 +472,31 @@ def test_training_continues_from_a_checkpoint_made_elsewhere(tiny_run, tmp_path)
                                              resume_from=str(tmp_path / "nothing")), progress=False)
 
 
+def test_a_run_resumed_on_more_data_keeps_its_draft_vocabulary(tiny_run, tmp_path):
+    """Distilling more prompts changes which answer tokens are most frequent; a run resumed on the grown data
+    keeps the draft vocabulary its state was trained on, with the target's lm_head rows and the token map of
+    those ids (the head it evaluates is the head its files load as)."""
+    from safetensors.torch import load_file
+
+    from medusa.train.feature import evaluate_saved, run_feature_training
+
+    root, model_dir, data = tiny_run
+    few = _feature_config(root, model_dir, data, tmp_path / "few", max_steps=5)
+    few.data.limit = 6
+    run_feature_training(few, progress=False)
+    grown = tmp_path / "grown"
+    report = run_feature_training(_feature_config(root, model_dir, data, grown, max_steps=6,
+                                                  resume_from=str(tmp_path / "few")), progress=False)["eval"]
+    fresh = tmp_path / "fresh"
+    run_feature_training(_feature_config(root, model_dir, data, fresh, max_steps=1), progress=False)
+    ids = {name: load_file(str(run / "head" / "feature_head.safetensors"))["draft_ids"]
+           for name, run in [("few", tmp_path / "few"), ("grown", grown), ("fresh", fresh)]}
+    assert not torch.equal(ids["few"], ids["fresh"])  # the grown data alone picks another vocabulary
+    assert torch.equal(ids["grown"], ids["few"])
+    again = evaluate_saved(_feature_config(root, model_dir, data, grown, max_steps=6), grown / "head")
+    assert again["rank_accuracy"] == report["rank_accuracy"]
+
+
 def test_shipped_feature_config_validates():
     from pathlib import Path
 

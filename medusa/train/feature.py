@@ -36,7 +36,7 @@ from medusa.train import checkpoint as ckpt
 from medusa.train.config import OptimConfig, RunConfig, StrictConfig, WandbConfig, apply_overrides
 from medusa.train.data import load_examples, split_groups
 from medusa.train.dist import Dist
-from medusa.train.feature_data import (Features, cached_features, draft_vocabulary, extract, feature_fn,
+from medusa.train.feature_data import (Features, cached_features, draft_map, draft_vocabulary, extract, feature_fn,
                                        sequence_order)
 from medusa.train.hidden import table_key
 from medusa.train.logs import start_wandb
@@ -195,26 +195,25 @@ def training_features(cfg: FeatureTrainConfig, groups, base: dict, fn, progress:
     return Features.cat(parts)
 
 
-def _make_head(cfg: FeatureTrainConfig, hf, feats: Features):
-    """A new head for the target over the draft vocabulary of the training answers, and the map from
-    full token ids to draft ids (-1: outside it)."""
+def _make_head(cfg: FeatureTrainConfig, hf, feats: Features, resume: Path | None):
+    """A new head for the target and the map from full token ids to draft ids (-1: outside it). Its draft
+    vocabulary: the most frequent answer tokens, or the checkpoint's when the run resumes (the data may have
+    grown since, and the state trained on those ids)."""
+    from safetensors.torch import load_file
+
     from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
 
-    counts = torch.bincount(feats.tokens[feats.answer], minlength=hf.config.vocab_size)
-    ids = draft_vocabulary(counts, cfg.head.draft_vocab)
+    if resume is None:
+        ids = draft_vocabulary(torch.bincount(feats.tokens[feats.answer], minlength=hf.config.vocab_size),
+                               cfg.head.draft_vocab)
+    else:
+        ids = load_file(str(resume / "head" / "feature_head.safetensors"))["draft_ids"]
     hcfg = FeatureHeadConfig(hf.config.hidden_size, hf.get_output_embeddings().weight.shape[0], len(ids),
                              style=cfg.head.style, feature_layers=list(cfg.head.feature_layers),
                              base_model=str(getattr(hf, "name_or_path", cfg.model)))
     torch.manual_seed(cfg.seed)
     head = FeatureHead(hcfg, hf, ids).float()
     return head, draft_map(hcfg.vocab_size, ids)
-
-
-def draft_map(vocab_size: int, ids: torch.Tensor) -> torch.Tensor:
-    """[vocab_size] long: each full token id's index in the draft vocabulary `ids` (-1: outside it)."""
-    full_to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
-    full_to_draft[ids] = torch.arange(len(ids))
-    return full_to_draft
 
 
 def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare_only: bool = False) -> dict:
@@ -233,7 +232,7 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
     extract_seconds = time.perf_counter() - t0
     if prepare_only:
         return {"sequences": len(feats), "positions": feats.positions(), "seconds": extract_seconds}
-    head, full_to_draft = _make_head(cfg, hf, feats)
+    head, full_to_draft = _make_head(cfg, hf, feats, resume_point(Path(cfg.run_dir), cfg.resume_from))
     meta = {"base": base, "heads": asdict(head.config) | {"base_model": None}}
     t0 = time.perf_counter()
     step, trained = _train(cfg, head, feats, full_to_draft, meta)

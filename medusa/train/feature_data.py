@@ -141,3 +141,10 @@ def draft_vocabulary(counts: torch.Tensor, size: int, always: int = 256) -> torc
     score = counts.float().clone()
     score[: min(always, vocab)] += float(counts.sum()) + 1
     return torch.argsort(score, descending=True, stable=True)[:size]
+
+
+def draft_map(vocab_size: int, ids: torch.Tensor) -> torch.Tensor:
+    """[vocab_size] long: each full token id's index in the draft vocabulary `ids` (-1: outside it)."""
+    full_to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
+    full_to_draft[ids] = torch.arange(len(ids))
+    return full_to_draft
