@@ -77,7 +77,7 @@ def write_reference_data(feats, out: Path, max_len: int) -> int:
         mask = mask[: end - s.start].clone()
         if test:
             mask[-TEST_STEPS:] = 0
-        torch.save({"hidden_state": feats.feats[s.start: end].clone(), "input_ids": feats.tokens[s.start: end].clone(),
+        torch.save({"hidden_state": feats.feats.rows(s.start, end).clone(), "input_ids": feats.tokens[s.start: end].clone(),
                     "loss_mask": mask}, out / name)
 
     for i in range(n):

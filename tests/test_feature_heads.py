@@ -472,6 +472,39 @@ def test_training_continues_from_a_checkpoint_made_elsewhere(tiny_run, tmp_path)
                                              resume_from=str(tmp_path / "nothing")), progress=False)
 
 
+def test_cached_feature_rows_stay_in_their_files_and_read_as_built(tmp_path):
+    """A run's feature tables are read from their cached files batch by batch (memory-mapped), not held in
+    memory; batches read exactly the rows that were built, across chunk files."""
+    from medusa.train.feature_data import Features, cached_features
+
+    def table(seed, lengths):
+        g = torch.Generator().manual_seed(seed)
+        n = sum(lengths)
+        return Features(torch.randn(n, 6, generator=g).bfloat16(), torch.randint(0, 50, (n,), generator=g),
+                        torch.rand(n, generator=g) > 0.3, torch.randint(0, 50, (n,), generator=g),
+                        torch.tensor([0] + lengths).cumsum(0))
+
+    built = {"a": table(0, [3, 7]), "b": table(1, [5, 2, 4])}
+    calls = []
+
+    def build(name):
+        calls.append(name)
+        return built[name]
+
+    for _ in range(2):  # the second time both come from their files
+        both = Features.cat([cached_features(tmp_path, n, "key", lambda n=n: build(n)) for n in "ab"])
+    assert calls == ["a", "b"]
+    assert len(both) == 5 and both.feats.width == 6 and len(both.feats) == 21
+    assert not any(isinstance(p, torch.Tensor) for p in both.feats.pieces)
+    f, tok, ans, top, valid = both.batch([1, 3, 4], 6)
+    rows = torch.cat([built["a"].feats.all(), built["b"].feats.all()])
+    assert f.shape == (3, 6, 6) and valid.sum(1).tolist() == [6, 2, 4]  # cut to 6, padded
+    assert torch.equal(f[0], rows[3:9].float()) and torch.equal(f[1, :2], rows[15:17].float())
+    assert torch.equal(tok[2, :4], built["b"].tokens[7:11]) and torch.equal(f[2, 4:], torch.zeros(2, 6))
+    with pytest.raises(ValueError, match="straddle"):
+        both.feats.rows(8, 12)
+
+
 def test_a_run_resumed_on_more_data_keeps_its_draft_vocabulary(tiny_run, tmp_path):
     """Distilling more prompts changes which answer tokens are most frequent; a run resumed on the grown data
     keeps the draft vocabulary its state was trained on, with the target's lm_head rows and the token map of

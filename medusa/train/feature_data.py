@@ -4,11 +4,13 @@ Every training sequence goes through the frozen target once, in length-sorted ba
 features (final normed hidden states, or fused layers then the final one) and the target's greedy next
 token at every position are kept in a flat per-position table, cached under `run_dir/features/` (bf16, one
 file per chunk of sequences, reused while the data is unchanged, so an interrupted extraction resumes at
-the first missing chunk).
+the first missing chunk). Training reads the feature rows from those files batch by batch (memory-mapped),
+so the run's memory does not grow with the data or with the width of fused features.
 """
 
 from __future__ import annotations
 
+import bisect
 from pathlib import Path
 
 import torch
@@ -18,12 +20,40 @@ from medusa.train.data import length_batches, pad_batch
 from medusa.train.hidden import cached, save_keyed
 
 
+class FeatureRows:
+    """The [N, F] feature rows of a table, kept in pieces: tensors in memory, or slices of cached safetensors
+    files that are read on demand (memory-mapped: a run over many sequences, or fused features several layers
+    wide, needs no more memory than its batches). A sequence's rows never straddle two pieces."""
+
+    def __init__(self, pieces: list):
+        self.pieces = pieces
+        sizes = [(p.shape if isinstance(p, torch.Tensor) else p.get_shape())[0] for p in pieces]
+        self.starts = [0]
+        for n in sizes:
+            self.starts.append(self.starts[-1] + n)
+        self.width = (pieces[0].shape if isinstance(pieces[0], torch.Tensor) else pieces[0].get_shape())[1]
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) (within one piece) as a tensor of their own."""
+        i = bisect.bisect_right(self.starts, start) - 1
+        if stop > self.starts[i + 1]:
+            raise ValueError(f"rows {start}:{stop} straddle two pieces of the feature table")
+        return self.pieces[i][start - self.starts[i]: stop - self.starts[i]]
+
+    def all(self) -> torch.Tensor:
+        return torch.cat([self.rows(a, b) for a, b in zip(self.starts, self.starts[1:])])
+
+
 class Features:
-    """Flat per-position table of many sequences: feats [N, F], tokens [N], answer [N] bool,
-    top [N] (the target's greedy next token after each position), offsets [E+1]."""
+    """Flat per-position table of many sequences: feats [N, F] (`FeatureRows`), tokens [N], answer [N]
+    bool, top [N] (the target's greedy next token after each position), offsets [E+1]."""
 
     def __init__(self, feats, tokens, answer, top, offsets):
-        self.feats, self.tokens, self.answer, self.top, self.offsets = feats, tokens, answer, top, offsets
+        self.feats = feats if isinstance(feats, FeatureRows) else FeatureRows([feats])
+        self.tokens, self.answer, self.top, self.offsets = tokens, answer, top, offsets
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -45,19 +75,23 @@ class Features:
         for p in parts:
             offs.append(p.offsets[1:] + base)
             base += int(p.offsets[-1])
-        return cls(torch.cat([p.feats for p in parts]), torch.cat([p.tokens for p in parts]),
-                   torch.cat([p.answer for p in parts]), torch.cat([p.top for p in parts]), torch.cat(offs))
+        return cls(FeatureRows([piece for p in parts for piece in p.feats.pieces]),
+                   torch.cat([p.tokens for p in parts]), torch.cat([p.answer for p in parts]),
+                   torch.cat([p.top for p in parts]), torch.cat(offs))
 
     def save(self, path: Path, key: str) -> None:
-        save_keyed(path, {"feats": self.feats, "tokens": self.tokens, "answer": self.answer.to(torch.uint8),
+        save_keyed(path, {"feats": self.feats.all(), "tokens": self.tokens, "answer": self.answer.to(torch.uint8),
                           "top": self.top, "offsets": self.offsets}, key)
 
     @classmethod
     def load(cls, path: Path) -> "Features":
-        from safetensors.torch import load_file
+        """The table in `path`, its feature rows left in the file (read per batch, memory-mapped)."""
+        from safetensors import safe_open
 
-        t = load_file(str(path))
-        return cls(t["feats"], t["tokens"], t["answer"].bool(), t["top"], t["offsets"])
+        f = safe_open(str(path), "pt")  # kept open by the slice: the rows are read when a batch asks for them
+        small = {name: f.get_tensor(name) for name in ("tokens", "answer", "top", "offsets")}
+        return cls(FeatureRows([f.get_slice("feats")]), small["tokens"], small["answer"].bool(), small["top"],
+                   small["offsets"])
 
     def batch(self, pick: list[int], max_len: int) -> tuple[torch.Tensor, ...]:
         """Sequences `pick`, cut to max_len and padded: feats [B, T, F] (float), tokens, answer, top, valid
@@ -65,14 +99,14 @@ class Features:
         seqs = [self.seq(i) for i in pick]
         t = min(max_len, max(s.stop - s.start for s in seqs))
         b = len(seqs)
-        f = torch.zeros(b, t, self.feats.shape[1])
+        f = torch.zeros(b, t, self.feats.width)
         tok = torch.zeros(b, t, dtype=torch.long)
         ans = torch.zeros(b, t, dtype=torch.bool)
         top = torch.zeros(b, t, dtype=torch.long)
         valid = torch.zeros(b, t, dtype=torch.bool)
         for r, s in enumerate(seqs):
             n = min(t, s.stop - s.start)
-            f[r, :n] = self.feats[s.start: s.start + n].float()
+            f[r, :n] = self.feats.rows(s.start, s.start + n).float()
             tok[r, :n] = self.tokens[s.start: s.start + n]
             ans[r, :n] = self.answer[s.start: s.start + n]
             top[r, :n] = self.top[s.start: s.start + n]
@@ -130,7 +164,11 @@ def extract(examples: list[dict], fn, batch_tokens: int = 4096, progress: bool =
 
 
 def cached_features(run_dir: Path, name: str, key: str, build) -> Features:
-    return cached(run_dir / "features" / f"{name}.safetensors", key, build, Features.load)
+    """One chunk's table, built and saved unless its file holds the same inputs (`key`); either way its
+    feature rows are then read from the file."""
+    path = run_dir / "features" / f"{name}.safetensors"
+    cached(path, key, build, lambda p: None)
+    return Features.load(path)
 
 
 def draft_vocabulary(counts: torch.Tensor, size: int, always: int = 256) -> torch.Tensor:
