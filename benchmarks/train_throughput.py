@@ -33,22 +33,28 @@ def _with_cache(cache: Path, name: str, run_dir: str) -> None:
 
 
 def feature_rows(config: str, steps: int, batch: int | None, overrides: list[str]) -> list[dict]:
+    """Per precision, by difference as for `--rev`: a (steps + 1)-step run minus a 1-step run, so the first
+    step (the kernels' one-time set-up) is left out of every row alike."""
     from medusa.train.feature import load_feature_config, run_feature_training
 
-    rows = []
-    for precision in ("fp32", "auto"):
+    def run(precision: str, n: int) -> tuple[float, int, int]:
         with tempfile.TemporaryDirectory() as run_dir:
             cfg0 = load_feature_config(config, overrides)
             _with_cache(Path(cfg0.run_dir) / "features", "features", run_dir)
-            extra = [f"run_dir={run_dir}", f"max_steps={steps}", f"precision={precision}", "wandb.mode=disabled",
-                     "data.eval_fraction=0", f"checkpoint_every={steps + 1}", f"log_every={steps + 1}"]
+            extra = [f"run_dir={run_dir}", f"max_steps={n}", f"precision={precision}", "wandb.mode=disabled",
+                     "data.eval_fraction=0", f"checkpoint_every={n + 1}", f"log_every={n + 1}"]
             extra += [f"batch_size={batch}"] if batch else []
             cfg = load_feature_config(config, overrides + extra)
             result = run_feature_training(cfg, progress=False)
-        rows.append({"what": "train-feature", "precision": precision, "steps": steps,
-                     "batch_size": cfg.batch_size, "positions": result["trained_tokens"],
-                     "train_seconds": round(result["train_seconds"], 2),
-                     "positions_per_s": round(result["trained_tokens"] / max(result["train_seconds"], 1e-9), 1)})
+        return result["train_seconds"], result["trained_tokens"], cfg.batch_size
+
+    rows = []
+    for precision in ("fp32", "auto"):
+        t1, p1, _ = run(precision, 1)
+        tn, pn, bs = run(precision, steps + 1)
+        rows.append({"what": "train-feature", "precision": precision, "steps": steps, "batch_size": bs,
+                     "positions": pn - p1, "train_seconds": round(tn - t1, 2),
+                     "positions_per_s": round((pn - p1) / max(tn - t1, 1e-9), 1)})
     return rows
 
 
