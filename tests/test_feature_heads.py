@@ -685,3 +685,35 @@ def test_bench_times_the_feature_heads_it_is_given(embedded):
     (named,) = bench_methods(both, str(SHIPPED_FEATURE_DIR)).values()
     assert isinstance(named, FeatureProposer) and named.head is not both.feature
     assert bench_methods(replace(both, heads=None), "auto") == {}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_fused_vocabulary_loss_equals_soft_cross_entropy_on_the_logits(precision):
+    """Blockwise soft-target cross-entropy over the draft vocabulary: the same per-row loss, top id and
+    gradient as `F.cross_entropy(lm_head(x).float(), softmax(lm_head(t).float()))` with the same matmul dtype
+    (blocks of 7 rows here, so the last block is partial)."""
+    import torch.nn.functional as F
+
+    from medusa.train.vocab_loss import DraftVocab
+
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 30, 16, 50
+    weight = torch.randn(v, h, generator=g) * 0.5
+    x0, t = torch.randn(n, h, generator=g), torch.randn(n, h, generator=g)
+    scale = torch.rand(n, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        x = x0.clone().requires_grad_(True)
+        vocab = DraftVocab(weight, block=7)
+        loss, top = vocab.loss(x, vocab.teacher(t))
+        (loss * scale).sum().backward()
+        ref_x = x0.clone().requires_grad_(True)
+        teacher = torch.softmax(F.linear(t, weight).float(), -1)
+        logits = F.linear(ref_x, weight).float()
+        ref = F.cross_entropy(logits, teacher, reduction="none")
+        (ref * scale).sum().backward()
+    tol = {"fp32": 1e-5, "bf16": 2e-2}[precision]
+    assert loss.dtype == torch.float32 and torch.allclose(loss, ref, atol=tol, rtol=tol)
+    assert torch.equal(top, logits.max(-1).indices)
+    assert torch.allclose(x.grad, ref_x.grad, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="frozen"):
+        DraftVocab(weight.clone().requires_grad_(True))

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 import yaml
 from pydantic import Field
 
-from medusa.decoding.sampling import argmax
 from medusa.errors import MedusaError
 from medusa.io import atomic_dir, read_yaml, validate, write_json_atomic
 from medusa.train import checkpoint as ckpt
@@ -41,6 +40,7 @@ from medusa.train.feature_data import (Features, cached_features, draft_map, dra
 from medusa.train.hidden import table_key
 from medusa.train.logs import start_wandb
 from medusa.train.optim import Stepper
+from medusa.train.vocab_loss import DraftVocab
 
 
 class HeadSection(StrictConfig):
@@ -152,9 +152,10 @@ def head_loss(head, cfg: FeatureTrainConfig, feats: torch.Tensor, tokens: torch.
     # The vocabulary projections and the loss run on the labelled positions only (answers, not prompts
     # or padding): rows [N] of the flattened batch; step j's labels are the subset where ok_j holds.
     rows = label_ok.flatten().nonzero().squeeze(1)
+    vocab = DraftVocab(head.lm_head.weight)  # the frozen projection, cast once for the step
     with torch.no_grad():
         target_rows = target_feat.flatten(0, 1)[rows]
-        teacher = torch.softmax(head.lm_head(target_rows).float(), -1)  # draft-vocabulary softmax [N, V]
+        teacher = vocab.teacher(target_rows)  # the target's draft-vocabulary distribution [N, V]
         greedy_d = full_to_draft[shifted(top).flatten()[rows]]  # the target's token at s+2 [N]
     loss = feats.new_zeros(())
     stats = []
@@ -162,15 +163,14 @@ def head_loss(head, cfg: FeatureTrainConfig, feats: torch.Tensor, tokens: torch.
         w = ok.flatten()[rows].float()  # [N]: 0 where step j has no label (its first j positions)
         count = w.sum().clamp(min=1)
         out_rows = out.flatten(0, 1)[rows]
-        logits = head.logits(out_rows).float()
-        ce = F.cross_entropy(logits, teacher, reduction="none")  # soft targets: one fused kernel each way
+        ce, drafted = vocab.loss(out_rows if head.norm is None else head.norm(out_rows), teacher)
         step_loss = cfg.loss.ce_weight * (ce * w).sum() / count
         if head.config.style == "eagle1" and cfg.loss.feature_weight > 0:
             sl1 = F.smooth_l1_loss(out_rows.float(), target_rows.float(), reduction="none").mean(-1)
             step_loss = step_loss + cfg.loss.feature_weight * (sl1 * w).sum() / count
         loss = loss + cfg.loss.decay ** j * step_loss
         with torch.no_grad():
-            hit = (argmax(logits) == greedy_d).float() * w
+            hit = (drafted == greedy_d).float() * w
             stats.append((int(hit.sum()), int(w.sum())))
     return loss, stats
 
