@@ -48,15 +48,19 @@ class Linear(nn.Module):
     # the kernels may split a long reduction differently once a pass has more rows (`medusa.decoding.invariant`).
     row_block: int | None = None
 
+    def _blocked(self, x: torch.Tensor) -> bool:
+        """More rows than `row_block` in x [..., in_features]."""
+        return self.row_block is not None and x.numel() > self.row_block * x.shape[-1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_block is not None and x.numel() > self.row_block * x.shape[-1]:
+        if self._blocked(x):
             return by_rows(self.forward, self.row_block, x)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        if self.row_block is not None and x.numel() > self.row_block * x.shape[-1]:
+        if self._blocked(x):
             return by_rows(self.plus, self.row_block, x, other)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "add")

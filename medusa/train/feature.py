@@ -232,10 +232,11 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
     extract_seconds = time.perf_counter() - t0
     if prepare_only:
         return {"sequences": len(feats), "positions": feats.positions(), "seconds": extract_seconds}
-    head, full_to_draft = _make_head(cfg, hf, feats, resume_point(Path(cfg.run_dir), cfg.resume_from))
+    point = resume_point(Path(cfg.run_dir), cfg.resume_from)
+    head, full_to_draft = _make_head(cfg, hf, feats, point)
     meta = {"base": base, "heads": asdict(head.config) | {"base_model": None}}
     t0 = time.perf_counter()
-    step, trained = _train(cfg, head, feats, full_to_draft, meta)
+    step, trained = _train(cfg, head, feats, full_to_draft, meta, point)
     train_seconds = time.perf_counter() - t0
     report = evaluate_head(head, cfg, hf, fn, held, full_to_draft)
     report.update(step=step, trained_tokens=trained, extract_seconds=round(extract_seconds, 1))
@@ -281,15 +282,16 @@ def step_autocast(precision: str, device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
-def _train(cfg: FeatureTrainConfig, head, feats: Features, full_to_draft: torch.Tensor, meta: dict) -> tuple[int, int]:
-    """Step until max_steps / epochs / max_train_tokens (resuming from the latest checkpoint); returns the
+def _train(cfg: FeatureTrainConfig, head, feats: Features, full_to_draft: torch.Tensor, meta: dict,
+           point: Path | None) -> tuple[int, int]:
+    """Step until max_steps / epochs / max_train_tokens (resuming from checkpoint `point`, if any); returns the
     step reached and the positions trained."""
     run_dir = Path(cfg.run_dir)
     per_epoch = max(1, len(feats) // cfg.batch_size)
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
     stepper = Stepper(cfg, Dist(), head, [{"params": [p for p in head.parameters() if p.requires_grad],
                                            "lr": cfg.optim.lr}], total)
-    step, trained, history = _resume(run_dir, head, stepper, meta, cfg.resume_from)
+    step, trained, history = _resume(point, head, stepper, meta)
     autocast = step_autocast(cfg.precision, next(head.parameters()).device)
     wb = start_wandb(cfg, run_dir) if step < total else None
     lengths, order, seen = feats.lengths().clamp(max=cfg.data.max_seq_tokens), None, None
@@ -353,10 +355,9 @@ def resume_point(run_dir: Path, resume_from: str | None) -> Path | None:
     return found
 
 
-def _resume(run_dir: Path, head, stepper: Stepper, meta, resume_from: str | None) -> tuple[int, int, list]:
+def _resume(path: Path | None, head, stepper: Stepper, meta) -> tuple[int, int, list]:
     from safetensors.torch import load_file
 
-    path = resume_point(run_dir, resume_from)
     if path is None:
         return 0, 0, []
     ckpt.check_meta(path, meta)

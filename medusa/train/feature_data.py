@@ -11,6 +11,7 @@ so the run's memory does not grow with the data or with the width of fused featu
 from __future__ import annotations
 
 import bisect
+import itertools
 from pathlib import Path
 
 import torch
@@ -27,11 +28,9 @@ class FeatureRows:
 
     def __init__(self, pieces: list):
         self.pieces = pieces
-        sizes = [(p.shape if isinstance(p, torch.Tensor) else p.get_shape())[0] for p in pieces]
-        self.starts = [0]
-        for n in sizes:
-            self.starts.append(self.starts[-1] + n)
-        self.width = (pieces[0].shape if isinstance(pieces[0], torch.Tensor) else pieces[0].get_shape())[1]
+        shapes = [p.shape if isinstance(p, torch.Tensor) else p.get_shape() for p in pieces]
+        self.starts = [0, *itertools.accumulate(shape[0] for shape in shapes)]
+        self.width = shapes[0][1]
 
     def __len__(self) -> int:
         return self.starts[-1]
