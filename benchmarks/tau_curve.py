@@ -5,7 +5,10 @@
         --series "8,232 distilled prompts=benchmarks/results/feature_tau_8k_mtbench_a.json,\
 benchmarks/results/feature_tau_8k_mtbench_b.json|checkpoints" \
         --series "16,512 distilled prompts=benchmarks/results/feature_tau_16k_mtbench.json|feature-16k" \
-        --series "24,576 distilled prompts=benchmarks/results/feature_tau_24k_mtbench.json|feature-24k"
+        --series "24,576 distilled prompts=benchmarks/results/feature_tau_24k_mtbench.json,\
+benchmarks/results/feature_tau_24k_8000_mtbench.json|feature-24k" \
+        --series "28,672 (continued from 24,576)=benchmarks/results/feature_tau_24k_8000_mtbench.json,\
+benchmarks/results/feature_tau_28k_12000_mtbench.json,benchmarks/results/feature_tau_28k_16000_mtbench.json"
 
 Each FILE is a `benchmarks/feature_tau.py --json` result (or an object of them); every result row with a
 `trained_tokens` count is one point (x: trained positions, y: tau), series by its label. A series written
