@@ -1,6 +1,6 @@
 """tau against trained positions and unique prompts, as a plot: one series per training set.
 
-    python benchmarks/tau_curve.py --out docs/img/tau_curve.png \
+    python benchmarks/tau_curve.py --out benchmarks/results/tau_curve.png \
         --title "Feature head: tau against trained positions (MT-bench, dynamic-16x5)" \
         --series "8,232 distilled prompts=benchmarks/results/feature_tau_8k_mtbench_a.json,\
 benchmarks/results/feature_tau_8k_mtbench_b.json|checkpoints" \
@@ -10,8 +10,8 @@ benchmarks/results/feature_tau_24k_8000_mtbench.json|feature-24k" \
         --series "28,672 (continued from 24,576)=benchmarks/results/feature_tau_24k_8000_mtbench.json,\
 benchmarks/results/feature_tau_28k_12000_mtbench.json,benchmarks/results/feature_tau_28k_16000_mtbench.json"
 
-Each FILE is a `benchmarks/feature_tau.py --json` result (or an object of them); every result row with a
-`trained_tokens` count is one point (x: trained positions, y: tau), series by its label. A series written
+(then `cp benchmarks/results/tau_curve.png docs/img/`: the docs show a copy). Each FILE is a
+`benchmarks/feature_tau.py --json` result (or an object of them); every result row with a `trained_tokens` count is one point (x: trained positions, y: tau), series by its label. A series written
 `LABEL=FILES|TEXT` keeps only the rows whose method contains TEXT (a run directory, a tree shape).
 """
 
