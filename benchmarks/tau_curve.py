@@ -11,7 +11,8 @@ benchmarks/results/feature_tau_24k_8000_mtbench.json|feature-24k" \
 benchmarks/results/feature_tau_28k_12000_mtbench.json,benchmarks/results/feature_tau_28k_16000_mtbench.json"
 
 (then `cp benchmarks/results/tau_curve.png docs/img/`: the docs show a copy). Each FILE is a
-`benchmarks/feature_tau.py --json` result (or an object of them); every result row with a `trained_tokens` count is one point (x: trained positions, y: tau), series by its label. A series written
+`benchmarks/feature_tau.py --json` result (or an object of them); every result row with a `trained_tokens`
+count is one point (x: trained positions, y: tau), series by its label. A series written
 `LABEL=FILES|TEXT` keeps only the rows whose method contains TEXT (a run directory, a tree shape).
 """
 

@@ -39,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         proposer = rt.proposer("medusa", args.tree) if args.mode == "medusa" else None
         if auto is not None:
             print(describe_auto(rt, auto, len(prompts)).removeprefix("medusa: "))
-        rt.engine.generate(prompts, 4)  # warm-up
+        # Warm-up, both sides alike: first calls pack the head's weights and pick kernels for each pass shape
+        # (auto's own gate and counts stay untouched: the warm-up runs a fresh instance).
+        rt.engine.generate(prompts, 16)
+        rt.engine.generate(prompts, 16, proposer, policy=rt.auto(len(prompts), progress=False) if auto else None)
         plain = rt.engine.generate(prompts, args.max_new_tokens)
         spec = rt.engine.generate(prompts, args.max_new_tokens, proposer, policy=auto)
     except MedusaError as exc:
