@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         # Warm-up, both sides alike: first calls pack the head's weights and pick kernels for each pass shape
         # (auto's own gate and counts stay untouched: the warm-up runs a fresh instance).
         rt.engine.generate(prompts, 16)
-        rt.engine.generate(prompts, 16, proposer, policy=rt.auto(len(prompts), progress=False) if auto else None)
+        warm_auto = rt.auto(len(prompts), progress=False) if auto is not None else None
+        rt.engine.generate(prompts, 16, proposer, policy=warm_auto)
         plain = rt.engine.generate(prompts, args.max_new_tokens)
         spec = rt.engine.generate(prompts, args.max_new_tokens, proposer, policy=auto)
     except MedusaError as exc:
