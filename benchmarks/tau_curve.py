@@ -1,14 +1,16 @@
 """tau against trained positions and unique prompts, as a plot: one series per training set.
 
     python benchmarks/tau_curve.py --out benchmarks/results/tau_curve.png \
-        --title "Feature head: tau against trained positions (MT-bench, dynamic-16x5)" \
+        --title "Feature head: tau against trained positions (MT-bench, dynamic-16x5x4)" \
         --series "8,232 distilled prompts=benchmarks/results/feature_tau_8k_mtbench_a.json,\
 benchmarks/results/feature_tau_8k_mtbench_b.json|checkpoints" \
         --series "16,512 distilled prompts=benchmarks/results/feature_tau_16k_mtbench.json|feature-16k" \
         --series "24,576 distilled prompts=benchmarks/results/feature_tau_24k_mtbench.json,\
 benchmarks/results/feature_tau_24k_8000_mtbench.json|feature-24k" \
         --series "28,672 (continued from 24,576)=benchmarks/results/feature_tau_24k_8000_mtbench.json,\
-benchmarks/results/feature_tau_28k_12000_mtbench.json,benchmarks/results/feature_tau_28k_16000_mtbench.json"
+benchmarks/results/feature_tau_28k_12000_mtbench.json,benchmarks/results/feature_tau_28k_16000_mtbench.json" \
+        --series "32,768 (continued from 28,672)=benchmarks/results/feature_tau_28k_16000_mtbench.json,\
+benchmarks/results/feature_tau_32k_mtbench.json"
 
 (then `cp benchmarks/results/tau_curve.png docs/img/`: the docs show a copy). Each FILE is a
 `benchmarks/feature_tau.py --json` result (or an object of them); every result row with a `trained_tokens`

@@ -559,7 +559,7 @@ def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, 
     prompts = mixed_prompts(2, vocab=97, seed=5)
     plain = rt.engine.generate(prompts, 12)
     named = rt.proposer("medusa", "dynamic-8x3")
-    assert named.shape == TreeShape(8, 3, 4)
+    assert named.shape == TreeShape(8, 3, 8)  # top-k defaults to DEFAULT_TOPK, at most N
     spec = rt.engine.generate(prompts, 12, named)
     assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
     auto = rt.auto(2, progress=False)
@@ -584,7 +584,7 @@ def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, 
     MedusaHeads(HeadsConfig(64, 97, 3, 1)).save(tmp_path / "medusa")
     mrt = Runtime.load(str(model_dir), heads=str(tmp_path / "medusa"), dtype="fp32", device="cpu")
     dyn = mrt.proposer("medusa", "dynamic-10x3")
-    assert isinstance(dyn, MedusaDynamicProposer) and dyn.depth == 3
+    assert isinstance(dyn, MedusaDynamicProposer) and dyn.depth == 3 and dyn.topk == 4  # MEDUSA_TOPK
     spec = mrt.engine.generate(prompts, 12, dyn)
     assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
     # The evaluator's `feature` method, beside a runtime without heads.
@@ -595,7 +595,7 @@ def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, 
     m = cfg.methods[-1]
     assert m.name == "feature:dynamic-6x3"
     proposer = Methods(bare, cfg).proposer(m)
-    assert isinstance(proposer, FeatureProposer) and proposer.shape == TreeShape(6, 3, 4)
+    assert isinstance(proposer, FeatureProposer) and proposer.shape == TreeShape(6, 3, 6)
 
 
 def test_fused_layer_features_are_the_targets_hidden_states():
@@ -661,7 +661,7 @@ def test_default_heads_are_the_preferred_shipped_kind(embedded):
     both = replace(embedded, feature=resolve_feature("feature", hf))  # what `default` loads when preferred
     assert isinstance(both.proposer("medusa", "tree-8"), MedusaProposer)
     dynamic = both.proposer("medusa", "dynamic-6x2")
-    assert isinstance(dynamic, FeatureProposer) and dynamic.shape == TreeShape(6, 2, 4)
+    assert isinstance(dynamic, FeatureProposer) and dynamic.shape == TreeShape(6, 2, 6)
     prompts = embedded.encode(["Name three colours.", "Count from one to five."])
     plain = embedded.engine.generate(prompts, 16)
     for proposer in (both.proposer("medusa", "tree-8"), dynamic):

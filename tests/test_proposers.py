@@ -59,7 +59,7 @@ def test_medusa_static_chain_and_dynamic_trees(rt):
 
 def test_feature_heads_from_a_directory(rt, feature_dir):
     p = build_proposer(rt, f"feature:{feature_dir}", "dynamic-6x3")
-    assert isinstance(p, FeatureProposer) and p.shape == TreeShape(6, 3, 4)
+    assert isinstance(p, FeatureProposer) and p.shape == TreeShape(6, 3, 6)
 
 
 def test_draft_and_lookup(rt):

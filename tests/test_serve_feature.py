@@ -67,7 +67,7 @@ def test_trees_for_each_kind_of_head(feature_rt, rt):
     dynamic trees by name beside static ones."""
     server = create_app(ServeConfig(dtype="fp32", policy={"mode": "medusa", "calibrate": False}),
                         feature_rt).state.server
-    assert list(server.policy.medusa) == ["dynamic-16x5x4"]
+    assert list(server.policy.medusa) == ["dynamic-16x5x8"]
     with pytest.raises(MedusaError, match="policy.trees: feature heads grow dynamic trees"):
         create_app(ServeConfig(dtype="fp32", policy={"trees": {1: "tree-8"}, "calibrate": False}),
                    feature_rt)

@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from medusa.decoding.batch import Batch
 
 NEG = float("-inf")
+# Children per expansion when a name leaves it out. Wider frontiers give the N-best selection more to choose
+# from: on the shipped feature head, top-8 expansions of a 16-node tree accepted 0.1 more tokens per step than
+# top-4 (docs/feature-heads.md), for a draft pass over 8 entries instead of 4.
+DEFAULT_TOPK = 8
 
 
 @dataclass
@@ -159,7 +163,7 @@ class TreeShape:
 
     nodes: int = 16
     depth: int = 5
-    topk: int = 4
+    topk: int = DEFAULT_TOPK
 
     @property
     def name(self) -> str:
@@ -185,8 +189,8 @@ class TreeShape:
         return self
 
 
-def parse_shape(name: str) -> TreeShape:
-    """`dynamic-N` (depth and top-k chosen for N) or `dynamic-NxD` or `dynamic-NxDxK`."""
+def parse_shape(name: str, topk: int = DEFAULT_TOPK) -> TreeShape:
+    """`dynamic-N` (depth and top-k chosen for N) or `dynamic-NxD` (top-`topk`, at most N) or `dynamic-NxDxK`."""
     expected = f"--tree: {name!r}: expected {DYNAMIC}N, {DYNAMIC}NxD or {DYNAMIC}NxDxK"
     try:
         parts = [int(p) for p in str(name).removeprefix(DYNAMIC).split("x")] if is_dynamic(name) else []
@@ -194,10 +198,9 @@ def parse_shape(name: str) -> TreeShape:
         raise MedusaError(expected) from None
     if len(parts) == 1:
         n = parts[0]
-        depth = max(1, min(6, n // 2 if n > 2 else n))
-        return TreeShape(n, depth, 4 if n >= 4 else n).check()
+        return TreeShape(n, max(1, min(6, n // 2 if n > 2 else n)), max(1, min(topk, n))).check()
     if len(parts) == 2:
-        return TreeShape(parts[0], parts[1], 4 if parts[0] >= 4 else max(1, parts[0])).check()
+        return TreeShape(parts[0], parts[1], max(1, min(topk, parts[0]))).check()
     if len(parts) == 3:
         return TreeShape(*parts).check()
     raise MedusaError(expected)

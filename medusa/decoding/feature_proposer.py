@@ -6,12 +6,13 @@ frontier nodes each step. Also the tree budgets a head can fill and their expect
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from medusa.decoding.dynamic_tree import NEG, Growth, Pool, RowTrees, TreeShape, expand, pool_size
+from medusa.decoding.dynamic_tree import DEFAULT_TOPK, NEG, Growth, Pool, RowTrees, TreeShape, expand, pool_size
 from medusa.decoding.feature_heads import FeatureHead
 from medusa.decoding.feature_runner import FeatureState, HeadRunner, LayerTaps
 from medusa.decoding.proposers import Proposer
@@ -215,7 +216,7 @@ def _chain_first(tok: torch.Tensor, score: torch.Tensor, pick: torch.Tensor, sam
     return tok, score
 
 
-def shape_candidates(max_nodes: int = 64, max_depth: int = 8, topk: int = 4) -> list[TreeShape]:
+def shape_candidates(max_nodes: int = 64, max_depth: int = 8, topk: int = DEFAULT_TOPK) -> list[TreeShape]:
     sizes = [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64]
     out = []
     for depth in range(1, max_depth + 1):
@@ -228,7 +229,14 @@ def shape_candidates(max_nodes: int = 64, max_depth: int = 8, topk: int = 4) -> 
 def expected_tau_dynamic(shape: TreeShape, accuracy: list[list[float]]) -> float:
     """Expected tokens per step of a `shape` tree from per-draft-step rank accuracies (eval.json), taken
     as the best static tree of that budget: a dynamic tree, chosen per row, does at least as well."""
-    acc = [row[: shape.topk] for row in accuracy[: shape.depth]]
+    return _expected_tau_dynamic(shape, tuple(tuple(row[: shape.topk]) for row in accuracy[: shape.depth]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected_tau_dynamic(shape: TreeShape, acc: tuple[tuple[float, ...], ...]) -> float:
+    # Cached: every new auto-mode planner (one per request or run) weighs the same ~100 shapes, and
+    # building their trees costs more than a whole speculative step.
     if not acc:
         return 1.0
-    return expected_tau(build_tree(acc, shape.nodes).nodes, acc)
+    rows = [list(r) for r in acc]
+    return expected_tau(build_tree(rows, shape.nodes).nodes, rows)

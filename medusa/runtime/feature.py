@@ -31,7 +31,10 @@ if TYPE_CHECKING:
     from medusa.runtime.auto import AutoSpeculation
     from medusa.runtime import Runtime
 
-DEFAULT_SHAPE = TreeShape(16, 5, 4)  # when nothing was measured: a middle-sized tree
+DEFAULT_SHAPE = TreeShape(16, 5)
+# Medusa heads' dynamic trees keep top-4 expansions where a name leaves top-k out (the wider default was
+# measured on feature heads only).
+MEDUSA_TOPK = 4  # when nothing was measured: a middle-sized tree
 
 
 def shipped_preferred(hidden_size: int | None = None) -> bool:
@@ -201,7 +204,7 @@ def medusa_dynamic(rt: "Runtime", tree: str):
     """`--tree dynamic-N[xD[xK]]` with Medusa heads: a per-row dynamic tree (depth at most the heads')."""
     from medusa.decoding.dynamic_tree import MedusaDynamicProposer, pool_size
 
-    shape = parse_shape(tree)
+    shape = parse_shape(tree, topk=MEDUSA_TOPK)
     depth = min(shape.depth, rt.heads.config.num_heads)
     if pool_size(depth, shape.topk) < shape.nodes:
         raise MedusaError(f"--tree {tree}: {rt.heads.config.num_heads} heads cannot grow {shape.nodes} nodes")

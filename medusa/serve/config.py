@@ -29,7 +29,7 @@ class PolicyConfig(BaseModel):
     low_watermark: int = Field(4, ge=0)
     # The heads' tree per running batch size: the largest key <= batch size applies. Medusa heads take
     # static trees (`tree-8`, `chain-K`, a path) or dynamic ones (`dynamic-N[xD[xK]]`), feature heads
-    # dynamic ones only. Unset: the calibrated plans, else tree-8 (Medusa) or dynamic-16x5x4 (feature).
+    # dynamic ones only. Unset: the calibrated plans, else tree-8 (Medusa) or dynamic-16x5x8 (feature).
     trees: dict[int, str] | None = None
     # Acceptance gate (per batch-size bucket): mean tokens per row-step (tau) over the last `window`
     # speculative steps; below max(min_tau, measured spec/plain step-time ratio) speculation pauses for
