@@ -11,7 +11,9 @@
    eagle-llm 1.2.1 from PyPI, runs unmodified in a side environment (`scripts/reference_envs.sh eagle-train`)
    through `eagle_reference_trainer.py` (device placement on CPU; stops after `--epochs` of its epochs) with its
    own recipe: smooth-L1 on features + 0.1 x cross-entropy over the full vocabulary, uniform input noise, AdamW,
-   linear warm-up over 2,000 steps to `--ref-lr` (theirs: 3e-5; more values, more runs). One of their epochs is
+   linear warm-up over 2,000 steps to `--ref-lr` (theirs: 3e-5; more values, more runs). `--ref-warmup ours` gives
+   their schedule our config's warm-up length instead (the one change to their recipe, made by the runner around
+   their file), so that a short run reaches their learning rate as ours does. One of their epochs is
    ceil(sequences / batch) steps, ours floor(...): the counts are reported.
    Their files include a test split they print (5%, by file name last); it is filled with the prompts and
    first answer positions of training sequences and plays no part here.
@@ -109,7 +111,7 @@ def reference_base(model: str, out: Path) -> Path:
 
 
 def run_reference(python: str, base: Path, config: Path, data: Path, out: Path, epochs: int, batch: int, lr: float,
-                  threads: int) -> tuple[Path, float]:
+                  threads: int, warmup: int | None = None) -> tuple[Path, float]:
     """Their trainer for `epochs` epochs; returns an EAGLE-1 head directory (their config and weights)."""
     if epochs % 5 == 0:
         raise SystemExit("--epochs: their trainer saves no state after epochs 5, 10, ...; pick another count")
@@ -117,8 +119,8 @@ def run_reference(python: str, base: Path, config: Path, data: Path, out: Path, 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS=str(threads))
-    cmd = [python, str(RUNNER), str(epochs), "--", "--basepath", str(base), "--configpath", str(config),
-           "--tmpdir", str(data), "--cpdir", str(cp), "--bs", str(batch), "--lr", str(lr)]
+    cmd = [python, str(RUNNER), str(epochs), *([] if warmup is None else [str(warmup)]), "--", "--basepath", str(base),
+           "--configpath", str(config), "--tmpdir", str(data), "--cpdir", str(cp), "--bs", str(batch), "--lr", str(lr)]
     t0 = time.perf_counter()
     with open(out / "trainer.log", "w") as log:
         proc = subprocess.run(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -149,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--ref-lr", type=float, nargs="+", default=[3e-5], help="their trainer's --lr (theirs: 3e-5)")
+    ap.add_argument("--ref-warmup", default="theirs",
+                    help="their linear warm-up: 'theirs' (2,000 steps), 'ours' (the config's warmup_steps) or a count")
     ap.add_argument("--work", default="runs/recipe-vs-reference")
     ap.add_argument("--features", default=None, help="a features/ directory to reuse (same model, data and dtype)")
     ap.add_argument("--tau-prompts", nargs="+", default=["mtbench", "benchmarks/prompts/mixed.jsonl"])
@@ -190,17 +194,23 @@ def main(argv: list[str] | None = None) -> int:
     config.write_text(json.dumps(eagle_config(our_head, draft_vocab=False), indent=2))
     python = reference_python()
 
+    warmup = {"theirs": None, "ours": cfg.optim.warmup_steps}.get(args.ref_warmup)
+    if warmup is None and args.ref_warmup != "theirs":
+        if not args.ref_warmup.isdigit():
+            raise SystemExit(f"--ref-warmup: expected 'theirs', 'ours' or a step count, got {args.ref_warmup!r}")
+        warmup = int(args.ref_warmup)
     heads = {"ours": {"dir": ours["head_dir"], "steps": ours_steps, "train_seconds": round(ours_seconds, 1),
                       "top1": ours["eval"].get("top1")}}
     for lr in args.ref_lr:
-        out = work / f"reference-lr{lr:g}"
+        out = work / (f"reference-lr{lr:g}" + ("" if warmup is None else f"-warmup{warmup}"))
         out.mkdir(exist_ok=True)
         head_dir, seconds = run_reference(python, base, config, data, out, args.epochs, args.batch_size, lr,
-                                          args.threads)
+                                          args.threads, warmup)
         head = FeatureHead.load(head_dir, hf).float()
         report = evaluate_head(head, cfg, hf, fn, held, draft_map(head.config.vocab_size, head.draft_ids))
         steps = args.epochs * math.ceil(len(feats) / args.batch_size)
-        heads[f"reference lr {lr:g}"] = {"dir": str(head_dir), "steps": steps,
+        name = f"reference lr {lr:g}" + ("" if warmup is None else f" warm-up {warmup}")
+        heads[name] = {"dir": str(head_dir), "steps": steps, "warmup_steps": 2000 if warmup is None else warmup,
                                          "train_seconds": round(seconds, 1), "top1": report.get("top1")}
 
     sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -199,6 +199,31 @@ def test_calibration_is_measured_once_and_reused(tmp_path, monkeypatch):
     assert data["key"]["dtype"] == "fp32" and data["key"]["machine"]["device"] == "cpu"
 
 
+def test_a_curve_measured_on_a_busier_machine_is_measured_again(tmp_path, monkeypatch, capsys):
+    """A cached one-token pass far slower than one timed now marks a curve measured under load: it is
+    measured again, once per process. A cached pass faster than now (this machine is the busier one now)
+    keeps the cached curve."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibrate, "TOKENS", [1, 2, 4])
+    monkeypatch.setattr(calibrate, "REPEATS", 1)
+    monkeypatch.setattr(calibrate, "_trusted", set())
+    rt = tiny_runtime()
+    path = calibrate.calibration_path(calibrate.calibration_key(rt))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    busy = Calibration(calibrate.calibration_key(rt), {(1, 1): 1e6, (1, 2): 1.01e6, (1, 4): 1.02e6}, {1: 1.0}, path)
+    path.write_text(json.dumps(busy.to_dict()))
+    again = load_or_measure(rt, [1], progress=False)
+    assert again.grid[(1, 1)] < 1e5 and "measured on a busier machine" in capsys.readouterr().err
+    assert json.loads(path.read_text())["grid"] == again.to_dict()["grid"]  # the new curve replaced the file
+
+    quiet = Calibration(busy.key, {(1, 1): 1e-6, (1, 2): 2e-6, (1, 4): 3e-6}, {1: 1e-6}, path)
+    path.write_text(json.dumps(quiet.to_dict()))
+    monkeypatch.setattr(calibrate, "_trusted", set())
+    monkeypatch.setattr(calibrate, "measure_forward", lambda *a, **k: pytest.fail("a quieter curve is kept"))
+    assert load_or_measure(rt, [1], progress=False).grid == quiet.grid
+    assert "busier" not in capsys.readouterr().err
+
+
 # ---- auto mode decodes exactly what plain decoding does ----------------------------------------------
 
 

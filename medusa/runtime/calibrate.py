@@ -6,6 +6,13 @@ CPU with native bf16, ~5x on an AVX2 CPU in bf16 (emulated), close to 1x on a GP
 one pass for 1..64 tokens per row at the batch sizes that matter (a few seconds, with a progress bar) and
 keeps the curve as JSON under `<cache>/calibration/`. `--mode auto`, the server's dynamic policy and the
 evaluator's cost model all read that one file; `medusa calibrate` measures it on demand.
+
+A curve measured while other work held the cores is wrong in shape, not just slower: small passes suffer the
+most from contention, so every larger pass looks cheap next to them and trees look free. Each process therefore
+times one one-token pass before it trusts a cached curve (`measured_busier`): when that pass now runs in less
+than BUSIER times the cached one-token time, the curve was measured on a busier machine than this one is now,
+and it is measured again. The rule is one-sided on purpose: a machine busier now than then keeps the quieter
+curve, the better guess of what the machine does when it is free.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ STOP_RATIO = 6.0
 PREFIX = 256
 REPEATS = 5
 HEADS_TOPK = 10
+BUSIER = 0.6  # a cached one-token pass more than 1/BUSIER (~1.7x) as slow as one timed now: measure again
+_trusted: set[Path] = set()  # cached curves already checked by this process
 
 
 @dataclass
@@ -141,6 +150,8 @@ def load_or_measure(rt, batch_sizes: list[int] | None = None, tokens: list[int] 
             cal = Calibration.from_dict(json.loads(path.read_text()), path)
         except (ValueError, KeyError, TypeError):
             cal = Calibration(key, path=path)  # a damaged cache file is measured again
+        if measured_busier(rt, cal):
+            cal = Calibration(key, path=path)
     wanted = sorted(set(batch_sizes or BATCH_SIZES))
     if tokens is None:
         todo = {b: TOKENS for b in wanted if b not in cal.batch_sizes()}
@@ -153,7 +164,26 @@ def load_or_measure(rt, batch_sizes: list[int] | None = None, tokens: list[int] 
     _measure(rt, cal, todo, heads_todo, stop=tokens is None, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(cal.to_dict(), indent=1))
+    _trusted.add(path)
     return cal
+
+
+def measured_busier(rt, cal: Calibration) -> bool:
+    """Whether the cached curve `cal` was measured on a busier machine than this one is now (see the module's
+    docstring); checked once per curve and process, on its smallest batch size, and said on stderr when so."""
+    if cal.path is None or cal.path in _trusted or not cal.grid:
+        return False
+    from medusa.runtime.timing import target_pass_ms
+
+    rows = cal.batch_sizes()[0]
+    then = cal.grid.get((rows, 1))
+    now = target_pass_ms(rt.model, rows, repeats=3) if then else None
+    _trusted.add(cal.path)
+    if then is None or now >= BUSIER * then:
+        return False
+    print(f"the pass-cost curve {cal.path} was measured on a busier machine (a one-token pass at batch size "
+          f"{rows}: {then:.1f} ms then, {now:.1f} ms now); measuring it again", file=sys.stderr)
+    return True
 
 
 def _measure(rt, cal: Calibration, todo: dict[int, list[int]], heads_todo: list[int], stop: bool,
