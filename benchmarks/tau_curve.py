@@ -10,12 +10,15 @@ benchmarks/results/feature_tau_24k_8000_mtbench.json|feature-24k" \
         --series "28,672 (continued from 24,576)=benchmarks/results/feature_tau_24k_8000_mtbench.json,\
 benchmarks/results/feature_tau_28k_12000_mtbench.json,benchmarks/results/feature_tau_28k_16000_mtbench.json" \
         --series "32,768 (continued from 28,672)=benchmarks/results/feature_tau_28k_16000_mtbench.json,\
-benchmarks/results/feature_tau_32k_mtbench.json"
+benchmarks/results/feature_tau_32k_mtbench.json" \
+        --series "36,864 (continued from 32,768)=benchmarks/results/feature_tau_32k_mtbench.json,\
+benchmarks/results/feature_tau_36k_mtbench.json|step-00024000/head:dynamic-16x5x4;feature-36k/head:dynamic-16x5x4"
 
 (then `cp benchmarks/results/tau_curve.png docs/img/`: the docs show a copy). Each FILE is a
 `benchmarks/feature_tau.py --json` result (or an object of them); every result row with a `trained_tokens`
 count is one point (x: trained positions, y: tau), series by its label. A series written
-`LABEL=FILES|TEXT` keeps only the rows whose method contains TEXT (a run directory, a tree shape).
+`LABEL=FILES|TEXT` keeps only the rows whose method contains TEXT (a run directory, a tree shape; several
+TEXTs separated by `;`: any of them).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def points(files: list[str], method_filter: str | None) -> list[tuple[int, float
     out = set()
     for f in files:
         for r in rows_of(json.loads(Path(f).read_text())):
-            if r.get("trained_tokens") and (method_filter is None or method_filter in r["method"]):
+            if r.get("trained_tokens") and (method_filter is None
+                                            or any(t in r["method"] for t in method_filter.split(";"))):
                 out.add((int(r["trained_tokens"]), float(r["tau"])))
     return sorted(out)
 

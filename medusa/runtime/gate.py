@@ -33,7 +33,7 @@ def bucket(n: int) -> int:
 class _Record:
     """One bucket's evidence."""
 
-    TIMES = 16  # recent step times kept per kind; their median is robust to one-off slow steps
+    TIMES = 16  # recent step times kept per kind
 
     def __init__(self, window: int):
         self.taus: deque[float] = deque(maxlen=window)
@@ -46,10 +46,14 @@ class _Record:
 
     @property
     def cost_ratio(self) -> float | None:
-        """Median speculative over median plain step time. A median, not a mean: the first step of a
-        new shape (kernel setup) can take several times a normal one and must not close the gate."""
+        """Fastest recent speculative over fastest recent plain step time. Other work on the machine only
+        ever adds time, so each kind's fastest step is the nearest to its own cost. Medians were not: the
+        plain time is often one probe step, timed at whatever moment it ran, and a ratio of medians taken
+        at different moments follows the machine's load (one measured 2.4 where the steps' own ratio was
+        1.6, and paused speculation that paid). The first step of a new shape (kernel setup, several times
+        a normal one) is never the fastest, so it cannot close the gate either."""
         if "spec" in self.seconds and "plain" in self.seconds:
-            return statistics.median(self.seconds["spec"]) / max(statistics.median(self.seconds["plain"]), 1e-9)
+            return min(self.seconds["spec"]) / max(min(self.seconds["plain"]), 1e-9)
         return None
 
 
