@@ -113,7 +113,10 @@ class AutoSpeculation(StepPolicy):
         self._make = make_proposer
         self._proposers: dict[str, Proposer] = {}
         self.max_tree_size = max_tree_size
-        self.gate = gate or AcceptanceGate(window=16, min_tau=1.0, retry_after_steps=64)
+        # Short pauses: a generation's acceptance dips and recovers with its text (a table, a list of names),
+        # so a window that failed says little about the next one, and a 64-step pause measured 13% below the
+        # same tree run fixed (AVX2 kernels, bs 1); a setting that keeps failing still backs off to 256 steps.
+        self.gate = gate or AcceptanceGate(window=16, min_tau=1.0, retry_after_steps=16)
         self.steps = {"plain": 0, "speculative": 0}
         self.events: list[str] = []
 
