@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--ref-lr", type=float, nargs="+", default=[3e-5], help="their trainer's --lr (theirs: 3e-5)")
-    ap.add_argument("--ref-warmup", default="theirs",
+    ap.add_argument("--ref-warmup", default="theirs", type=lambda v: v if v in ("theirs", "ours") else int(v),
                     help="their linear warm-up: 'theirs' (2,000 steps), 'ours' (the config's warmup_steps) or a count")
     ap.add_argument("--work", default="runs/recipe-vs-reference")
     ap.add_argument("--features", default=None, help="a features/ directory to reuse (same model, data and dtype)")
@@ -194,11 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     config.write_text(json.dumps(eagle_config(our_head, draft_vocab=False), indent=2))
     python = reference_python()
 
-    warmup = {"theirs": None, "ours": cfg.optim.warmup_steps}.get(args.ref_warmup)
-    if warmup is None and args.ref_warmup != "theirs":
-        if not args.ref_warmup.isdigit():
-            raise SystemExit(f"--ref-warmup: expected 'theirs', 'ours' or a step count, got {args.ref_warmup!r}")
-        warmup = int(args.ref_warmup)
+    warmup = {"theirs": None, "ours": cfg.optim.warmup_steps}.get(args.ref_warmup, args.ref_warmup)
     heads = {"ours": {"dir": ours["head_dir"], "steps": ours_steps, "train_seconds": round(ours_seconds, 1),
                       "top1": ours["eval"].get("top1")}}
     for lr in args.ref_lr:
@@ -211,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = args.epochs * math.ceil(len(feats) / args.batch_size)
         name = f"reference lr {lr:g}" + ("" if warmup is None else f" warm-up {warmup}")
         heads[name] = {"dir": str(head_dir), "steps": steps, "warmup_steps": 2000 if warmup is None else warmup,
-                                         "train_seconds": round(seconds, 1), "top1": report.get("top1")}
+                       "train_seconds": round(seconds, 1), "top1": report.get("top1")}
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import feature_tau

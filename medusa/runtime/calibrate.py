@@ -175,11 +175,13 @@ def measured_busier(rt, cal: Calibration) -> bool:
         return False
     from medusa.runtime.timing import target_pass_ms
 
+    _trusted.add(cal.path)
     rows = cal.batch_sizes()[0]
     then = cal.grid.get((rows, 1))
-    now = target_pass_ms(rt.model, rows, repeats=3) if then else None
-    _trusted.add(cal.path)
-    if then is None or now >= BUSIER * then:
+    if then is None:
+        return False
+    now = target_pass_ms(rt.model, rows, repeats=3)
+    if now >= BUSIER * then:
         return False
     print(f"the pass-cost curve {cal.path} was measured on a busier machine (a one-token pass at batch size "
           f"{rows}: {then:.1f} ms then, {now:.1f} ms now); measuring it again", file=sys.stderr)

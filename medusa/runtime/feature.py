@@ -31,10 +31,10 @@ if TYPE_CHECKING:
     from medusa.runtime.auto import AutoSpeculation
     from medusa.runtime import Runtime
 
-DEFAULT_SHAPE = TreeShape(16, 5)
+DEFAULT_SHAPE = TreeShape(16, 5)  # when nothing was measured: a middle-sized tree
 # Medusa heads' dynamic trees keep top-4 expansions where a name leaves top-k out (the wider default was
 # measured on feature heads only).
-MEDUSA_TOPK = 4  # when nothing was measured: a middle-sized tree
+MEDUSA_TOPK = 4
 
 
 def shipped_preferred(hidden_size: int | None = None) -> bool:
