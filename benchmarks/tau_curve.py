@@ -12,7 +12,9 @@ benchmarks/results/feature_tau_28k_12000_mtbench.json,benchmarks/results/feature
         --series "32,768 (continued from 28,672)=benchmarks/results/feature_tau_28k_16000_mtbench.json,\
 benchmarks/results/feature_tau_32k_mtbench.json" \
         --series "36,864 (continued from 32,768)=benchmarks/results/feature_tau_32k_mtbench.json,\
-benchmarks/results/feature_tau_36k_mtbench.json|step-00024000/head:dynamic-16x5x4;feature-36k/head:dynamic-16x5x4"
+benchmarks/results/feature_tau_36k_mtbench.json|step-00024000/head:dynamic-16x5x4;feature-36k/head:dynamic-16x5x4" \
+        --series "44,544 (continued from 36,864)=benchmarks/results/feature_tau_36k_mtbench.json,\
+benchmarks/results/feature_tau_44k_mtbench.json|feature-36k/head:dynamic-16x5x4;feature-44k/head:dynamic-16x5x4"
 
 (then `cp benchmarks/results/tau_curve.png docs/img/`: the docs show a copy). Each FILE is a
 `benchmarks/feature_tau.py --json` result (or an object of them); every result row with a `trained_tokens`
