@@ -562,6 +562,9 @@ def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, 
     assert named.shape == TreeShape(8, 3, 8)  # top-k defaults to DEFAULT_TOPK, at most N
     spec = rt.engine.generate(prompts, 12, named)
     assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
+    # A tree a planner did not plan is made as its name says, not as the default shape.
+    made = rt.auto(2, progress=False).make_proposer(named.tree)
+    assert getattr(made, "inner", made).shape == TreeShape(8, 3, 8)  # retrieval wraps the head's proposer
     auto = rt.auto(2, progress=False)
     without_gate(auto)
     plan = auto.plan(len(prompts))  # what the calibrated curve predicts at the batch decoded below

@@ -132,9 +132,13 @@ class AutoSpeculation(StepPolicy):
         p = self._plans(rows)
         if p.tree is None or self.gate.paused(rows) or self.gate.needs_plain_probe(rows):
             return None
-        if p.tree.name not in self._proposers:
-            self._proposers[p.tree.name] = self._make(p.tree)
-        return self._proposers[p.tree.name]
+        return self.make_proposer(p.tree)
+
+    def make_proposer(self, tree: Tree) -> Proposer:
+        """The proposer auto mode runs for a planned `tree` (made once per tree name)."""
+        if tree.name not in self._proposers:
+            self._proposers[tree.name] = self._make(tree)
+        return self._proposers[tree.name]
 
     def observe(self, rows: int, speculative: bool, tau: float, seconds: float) -> None:
         self.steps["speculative" if speculative else "plain"] += 1

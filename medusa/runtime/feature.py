@@ -134,8 +134,9 @@ class _FeatureAuto:
         self.make(None).attach(batch)
 
     def make(self, tree):
-        """The planned tree's proposer: the feature head's, with retrieval grafted in unless turned off."""
-        shape = self.shapes.get(tree.name, DEFAULT_SHAPE) if tree is not None else DEFAULT_SHAPE
+        """The planned tree's proposer: the feature head's, with retrieval grafted in unless turned off. A
+        tree this planner did not plan is read by its name (`dynamic-NxDxK`)."""
+        shape = DEFAULT_SHAPE if tree is None else self.shapes.get(tree.name) or parse_shape(tree.name)
         heads = FeatureProposer(self.rt.feature, self.rt.model, shape, runner=self.runner)
         return MergedProposer(heads, self.rt.retriever()) if self.rt.retrieval else heads
 
