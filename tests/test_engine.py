@@ -317,6 +317,44 @@ class RightOrWrong(Proposer):
         return Proposal(out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_table_gives_the_rotary_embeddings_own_values(dtype):
+    """Passes read cos/sin from a table filled once; every lookup must be bit-identical to the rotary
+    embedding's own output for those positions, also after the table has grown, and for ragged rows."""
+    from medusa.decoding.transformer import RotaryTable, rope_tables
+
+    model = tiny_model("llama", seed=1).to(dtype)
+    rotary = model.model.rotary_emb
+    table = RotaryTable(rotary)
+    assert table.tabled
+    x = torch.zeros(2, 1, model.config.hidden_size, dtype=dtype)
+    for bound, positions in [(16, torch.tensor([[3, 4, 5], [0, 9, 15]])), (40, torch.tensor([[39, 17, 20]])),
+                             (300, torch.tensor([[0, 1, 2], [250, 251, 299]]))]:
+        got = table(x, positions, bound)
+        want = rope_tables(*rotary(x, positions))
+        assert got[0].shape == want[0].shape == (positions.shape[0], 3, 1, rotary.inv_freq.shape[0] * 2)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert table.cos.shape[0] >= 300 and table.cos.dtype == dtype
+    rotary.rope_type = "dynamic"  # frequencies that follow the length are not tabled
+    assert not RotaryTable(rotary).tabled
+
+
+def test_one_row_pass_mask_from_slices_is_the_general_mask():
+    """A single row's mask built from slices (its length known as a number) equals the general one: a pass
+    that is its own block, a feature-head expansion seeing earlier draft entries, a prefix of zero."""
+    from medusa.decoding.attention import pass_mask
+
+    gen = torch.Generator().manual_seed(0)
+    for start, t, used, window_extra in [(7, 1, 0, 0), (7, 5, 0, 0), (12, 4, 8, 3), (0, 3, 0, 2), (30, 8, 16, 0)]:
+        visible = torch.rand(1, t, used + t, generator=gen) > 0.4
+        lens = torch.tensor([start])
+        window = start + used + t + window_extra
+        for vis in (visible, visible[0]):
+            want = pass_mask(lens, vis, window)
+            assert torch.equal(pass_mask(lens, vis, window, start), want)
+    assert want[0, 0, :, :start].all() and not want[0, 0, :, start + used + t:].any()
+
+
 def test_step_output_reports_accepted_candidates(setup):
     """Row 0 is offered the true continuation (all 3 accepted), row 1 wrong tokens (none accepted)."""
     model, engine = setup

@@ -7,11 +7,18 @@ import torch
 import torch.nn.functional as F
 
 
-def pass_mask(lens: torch.Tensor, visible: torch.Tensor, window: int) -> torch.Tensor:
+def pass_mask(lens: torch.Tensor, visible: torch.Tensor, window: int, start: int | None = None) -> torch.Tensor:
     """The attention mask [B, 1, T, L] of a pass whose S block entries start at each row's `lens` [B]:
     every entry before them is seen, entries past the block are not, and `visible` [T, S] or [B, T, S]
-    says which block entries each of the pass's T tokens sees (S = T when the block is the pass itself)."""
+    says which block entries each of the pass's T tokens sees (S = T when the block is the pass itself).
+    `start`: lens of a single row when the caller holds it as a number (the mask is then assembled from
+    slices, a third of the kernels: this runs once per pass of every decoding step at batch size 1)."""
     b, (t, span) = lens.shape[0], visible.shape[-2:]
+    if start is not None and b == 1:
+        mask = torch.zeros(1, 1, t, window, dtype=torch.bool, device=lens.device)
+        mask[..., :start] = True
+        mask[..., start: start + span] = visible
+        return mask
     rel = torch.arange(window, device=lens.device)[None, :] - lens[:, None]  # [B, L]
     in_block = (rel >= 0) & (rel < span)
     vis = visible if visible.dim() == 3 else visible.expand(b, t, span)

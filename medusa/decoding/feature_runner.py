@@ -20,8 +20,8 @@ from medusa.decoding.proposers import RowState
 from medusa.errors import MedusaError
 from medusa.decoding.attention import pass_mask, short_block_bias
 from medusa.decoding.linear import packed_linear, rows_linear
-from medusa.decoding.transformer import (SHORT_BLOCK, DecoderLayer, KVCache, RMSNorm, Transformer, attention_dtype,
-                                         cache_dtype, rope_tables)
+from medusa.decoding.transformer import (SHORT_BLOCK, DecoderLayer, KVCache, RMSNorm, RotaryTable, Transformer,
+                                         attention_dtype, cache_dtype)
 
 if TYPE_CHECKING:
     from medusa.decoding.verifier import Verdict
@@ -64,6 +64,7 @@ class HeadRunner(nn.Module):
         self.lm_head = packed_linear(lm)
         self.norm = RMSNorm(head.norm) if head.norm is not None else None
         self.rotary = head.rotary
+        self.rope = RotaryTable(self.rotary)
         self._embed = [embed]
         self.register_buffer("draft_ids", ids.clone(), persistent=False)
         self.vocab = len(ids)
@@ -99,13 +100,13 @@ class HeadRunner(nn.Module):
         window = (int(hl.max()) if longest is None else longest) + span
         if window > cache.capacity:
             raise MedusaError(f"feature head cache of {cache.capacity} entries is too small for {window}")
-        mask = pass_mask(hl, visible, window)
+        mask = pass_mask(hl, visible, window, window - span if b == 1 else None)
         bias = None
         if t <= SHORT_BLOCK:
             bias = short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv,
                                     attention_dtype(x.device.type, self.dtype, cache.data.dtype, b * t))
-        slots = hl[:, None] + used + torch.arange(t, device=x.device)
-        rope = rope_tables(*self.rotary(x, positions))
+        slots = window - span + used if b == 1 else hl[:, None] + used + torch.arange(t, device=x.device)
+        rope = self.rope(x, positions, cache.capacity)
         kv = cache.data[0, :, rows, :, :window]
         row_idx = torch.arange(b, device=x.device)[:, None]
         return self.layer.forward(emb, x, rope, kv, row_idx, slots, mask, bias)

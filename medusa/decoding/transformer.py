@@ -97,6 +97,7 @@ class Transformer(nn.Module):
         self.embed = inner.embed_tokens
         self.norm = RMSNorm(inner.norm)
         self.rotary = inner.rotary_emb
+        self.rope = RotaryTable(self.rotary)
         self.lm_head = packed_linear(hf_model.lm_head)
         self.layers = nn.ModuleList(DecoderLayer(layer, self.head_dim) for layer in inner.layers)
         self.invariant = False
@@ -166,28 +167,31 @@ class Transformer(nn.Module):
         if window > cache.capacity:
             raise MedusaError(f"sequence of {window} tokens exceeds the cache capacity {cache.capacity}; "
                               f"lower --max-new-tokens or shorten the prompt")
+        start = window - t if b == 1 else None  # one row: its length, as a number
         if self.invariant:
             window = invariant.window(window, cache.capacity)
             mask = pass_mask(lens, block_mask, window)
             mask, bias = invariant.plan(lens, mask, block_mask, self.n_heads // self.n_kv), None
         else:
-            mask, bias = self._pass_masks(lens, block_mask, t, window, cache.data.dtype)
-        slots = lens[:, None] + torch.arange(t, device=tokens.device)  # where this block's K/V go
+            mask, bias = self._pass_masks(lens, block_mask, t, window, cache.data.dtype, start)
+        # Where this block's K/V go (one row: a contiguous run from its length).
+        slots = start if start is not None else lens[:, None] + torch.arange(t, device=tokens.device)
         x = self.embed(tokens)
-        rope = rope_tables(*self.rotary(x, positions))
+        rope = self.rope(x, positions, cache.capacity)
         row_idx = torch.arange(b, device=tokens.device)[:, None]
         return x, (rope, cache.data[:, :, rows, :, :window], row_idx, slots, mask, bias)
 
-    def _pass_masks(self, lens: torch.Tensor, block_mask: torch.Tensor, t: int, window: int,
-                    kv_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The pass's attention mask [B, 1, T, L] and, for short passes, its additive form for `attention`.
+    def _pass_masks(self, lens: torch.Tensor, block_mask: torch.Tensor, t: int, window: int, kv_dtype: torch.dtype,
+                    start: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The pass's attention mask [B, 1, T, L] and, for short passes, its additive form for `attention`
+        (`start`: the one row's length, when there is one row).
 
         One token of one row sees its whole window: no mask, and the fused kernel is the fastest there.
         """
         b = lens.shape[0]
         if b * t == 1:
             return None, None
-        mask = pass_mask(lens, block_mask, window)
+        mask = pass_mask(lens, block_mask, window, start)
         if t > SHORT_BLOCK:
             return mask, None
         return mask, short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv,
@@ -226,7 +230,8 @@ class DecoderLayer(nn.Module):
               kv: torch.Tensor, row_idx: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
               bias: torch.Tensor | None) -> torch.Tensor:
         """Attention over `attn_in` [B, T, *] (the normed input) added to the residual x [B, T, h], then the
-        MLP. This block's K/V are written into kv [2, B, KV, L, D] at `slots` [B, T] (rows `row_idx`)."""
+        MLP. This block's K/V are written into kv [2, B, KV, L, D] at `slots` [B, T] (rows `row_idx`), or from
+        slot `slots` on when it is an int (one row: a contiguous run, written without index tensors)."""
         b, t, _ = x.shape
         qkv = self.wqkv.forward(attn_in).view(b, t, self.nq + 2 * self.nkv, self.head_dim)
         return self.mlp(self.wo.plus(self.attend(qkv, rope, kv, row_idx, slots, mask, bias), x))
@@ -243,7 +248,11 @@ class DecoderLayer(nn.Module):
         rope_(qkv[:, :, : nq + nkv], *rope)  # q and k rotated in one go, in place
         # K and V of this block go after each row's prefix: they lie side by side in qkv, so one write
         # stores both.
-        kv[:, row_idx, :, slots] = qkv[:, :, nq:].unflatten(2, (2, nkv)).to(kv.dtype)
+        new = qkv[:, :, nq:].unflatten(2, (2, nkv))  # [B, T, 2, KV, D]
+        if isinstance(slots, int):
+            kv[:, :, :, slots: slots + new.shape[1]] = new.permute(2, 0, 3, 1, 4)
+        else:
+            kv[:, row_idx, :, slots] = new.to(kv.dtype)
         if isinstance(mask, invariant.InvariantPlan):
             return invariant.attention(qkv[:, :, :nq], kv[0], kv[1], mask, self.scale)
         return attention(qkv[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
@@ -315,6 +324,33 @@ def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tor
     half = cos.shape[-1] // 2
     signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
     return cos[:, :, None], signed[:, :, None]
+
+
+class RotaryTable:
+    """`rope_tables` of a pass looked up by position in a table the model's rotary embedding fills once (and
+    again, twice as long, when a pass reaches past it): per pass two lookups instead of a dozen small kernels.
+    Only rotary types whose tables depend on the position alone are tabled; the dynamic ones (their frequencies
+    follow the sequence length) are computed per pass as before."""
+
+    PER_POSITION = ("default", "linear", "llama3", "yarn")
+
+    def __init__(self, rotary: nn.Module):
+        self.rotary = rotary
+        self.tabled = getattr(rotary, "rope_type", "default") in self.PER_POSITION
+        self.cos: torch.Tensor | None = None  # [P, 1, D] in the pass's dtype, with
+        self.sin: torch.Tensor | None = None  # rotate_half's sign folded in (see rope_tables)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) [B, T, 1, D] for positions [B, T] of a pass over x, every position below `bound`
+        (the cache's capacity: a host number, so no device read)."""
+        if not self.tabled:
+            return rope_tables(*self.rotary(x, positions))
+        cos = self.cos
+        if cos is None or cos.shape[0] < bound or cos.dtype != x.dtype or cos.device != x.device:
+            size = max(bound, 2 * cos.shape[0] if cos is not None and cos.dtype == x.dtype else 0)
+            cos, sin = rope_tables(*self.rotary(x, torch.arange(size, device=x.device)[None]))
+            self.cos, self.sin = cos[0], sin[0]
+        return self.cos[positions], self.sin[positions]
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
