@@ -54,13 +54,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         o = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=g > 1)
         return o.transpose(1, 2).reshape(b, t, h * d).to(q.dtype)
-    k, v = k.to(bias.dtype), v.to(bias.dtype)
+    if k.dtype != bias.dtype:
+        k, v = k.to(bias.dtype), v.to(bias.dtype)
     # Each regrouping and its dtype change in one copy (a small pass is a chain of small kernels).
     grouped = torch.empty(b, kvh, g, t, d, dtype=bias.dtype, device=q.device)
     grouped.copy_(q.view(b, t, kvh, g, d).permute(0, 2, 3, 1, 4))
     scores = torch.baddbmm(bias, grouped.view(b * kvh, g * t, d), k.reshape(b * kvh, window, d).transpose(1, 2),
                            alpha=scale)
-    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if p.dtype != v.dtype:
+        p = p.to(v.dtype)
     o = torch.bmm(p, v.reshape(b * kvh, window, d)).view(b, kvh, g, t, d)
     out = torch.empty(b, t, kvh, g, d, dtype=q.dtype, device=q.device)
     return out.copy_(o.permute(0, 3, 1, 2, 4)).view(b, t, h * d)
