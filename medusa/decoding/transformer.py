@@ -101,6 +101,7 @@ class Transformer(nn.Module):
         self.lm_head = packed_linear(hf_model.lm_head)
         self.layers = nn.ModuleList(DecoderLayer(layer, self.head_dim) for layer in inner.layers)
         self.invariant = False
+        self.passes = 0  # forward passes run (decoding, prefill, timing alike): what a call's stats count
 
     @property
     def invariant(self) -> bool:
@@ -134,6 +135,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
                 block_mask: torch.Tensor) -> torch.Tensor:
         """tokens/positions [B, T]; block_mask [T, T] (or [B, T, T]) says which block entries each sees."""
+        self.passes += 1
         x, (rope, data, row_idx, slots, mask, bias) = self.prepare(tokens, positions, cache, rows, block_mask)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, rope, data[i], row_idx, slots, mask, bias)  # (no per-call hook machinery)
@@ -144,6 +146,7 @@ class Transformer(nn.Module):
         """One pass over several parts, each (tokens, positions, rows, block_mask) as `forward` takes them
         (the running rows' candidate trees, a prompt chunk): the linear layers run once over every part's
         tokens, so the weights are read once, and attention runs per part. -> each part's hidden [B, T, h]."""
+        self.passes += 1
         ready = [self.prepare(*p[:2], cache, *p[2:]) for p in parts]
         shapes = [x.shape[:2] for x, _ in ready]
         sizes = [b * t for b, t in shapes]

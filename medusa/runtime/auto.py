@@ -119,6 +119,7 @@ class AutoSpeculation(StepPolicy):
         self.gate = gate or AcceptanceGate(window=16, min_tau=1.0, retry_after_steps=16)
         self.steps = {"plain": 0, "speculative": 0}
         self.events: list[str] = []
+        self.choosing_seconds = 0.0  # time spent choosing steps (planning, building proposers)
 
     def plan(self, rows: int) -> Plan:
         return self._plans(rows)
@@ -129,10 +130,10 @@ class AutoSpeculation(StepPolicy):
 
     def choose(self, rows: int) -> Proposer | None:
         self.gate.tick()
+        if self.gate.paused(rows) or self.gate.needs_plain_probe(rows):
+            return None  # no plan needed: a paused or probing step is plain whatever the plan says
         p = self._plans(rows)
-        if p.tree is None or self.gate.paused(rows) or self.gate.needs_plain_probe(rows):
-            return None
-        return self.make_proposer(p.tree)
+        return None if p.tree is None else self.make_proposer(p.tree)
 
     def make_proposer(self, tree: Tree) -> Proposer:
         """The proposer auto mode runs for a planned `tree` (made once per tree name)."""
@@ -140,9 +141,10 @@ class AutoSpeculation(StepPolicy):
             self._proposers[tree.name] = self._make(tree)
         return self._proposers[tree.name]
 
-    def observe(self, rows: int, speculative: bool, tau: float, seconds: float) -> None:
+    def observe(self, rows: int, speculative: bool, tau: float, seconds: float, overhead: float = 0.0) -> None:
         self.steps["speculative" if speculative else "plain"] += 1
-        event = self.gate.observe(rows, speculative, tau, seconds)
+        self.choosing_seconds += overhead
+        event = self.gate.observe(rows, speculative, tau, seconds, overhead)
         if event:
             self.events.append(event)
 

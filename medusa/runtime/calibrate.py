@@ -39,6 +39,9 @@ STOP_RATIO = 6.0
 PREFIX = 256
 REPEATS = 5
 HEADS_TOPK = 10
+# A feature head's draft passes the planner prices: the catch-up pass (2 entries per row) and one expansion
+# of every top-k a candidate shape uses (`feature_proposer.shape_candidates`: min(8, nodes)).
+DRAFT_TOKENS = [1, 2, 3, 4, 6, 8]
 BUSIER = 0.6  # a cached one-token pass more than 1/BUSIER (~1.7x) as slow as one timed now: measure again
 _trusted: set[Path] = set()  # cached curves already checked by this process
 
@@ -51,6 +54,10 @@ class Calibration:
     grid: dict[tuple[int, int], float] = field(default_factory=dict)
     heads_ms: dict[int, float] = field(default_factory=dict)
     path: Path | None = None
+    # drafts[head][(B, T)] = ms of one feature-head pass over T entries per row for B rows (with its
+    # draft-vocabulary softmax and top-k), per feature-head architecture (`draft_key`), measured beside the
+    # target's curve so a plan never times anything.
+    drafts: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
 
     def batch_sizes(self) -> list[int]:
         return sorted({b for b, _ in self.grid})
@@ -92,6 +99,22 @@ class Calibration:
 
         return heads_ms(self.heads_ms, b)
 
+    def draft_ms(self, head: str, b: int, t: int) -> float:
+        """One draft pass of `head` over `t` entries per row at `b` rows: measured where possible, else
+        linear in B between the measured batch sizes of the nearest measured T at or above `t`."""
+        from medusa.runtime.timing import heads_ms
+
+        grid = self.drafts[head]
+        if (b, t) in grid:
+            return grid[(b, t)]
+        ts = sorted({tt for _, tt in grid})
+        tt = ts[min(bisect_left(ts, t), len(ts) - 1)]
+        return heads_ms({bb: ms for (bb, t2), ms in grid.items() if t2 == tt}, b)
+
+    def draft_ratio(self, head: str, b: int, t: int) -> float:
+        """A draft pass as a multiple of a one-token target pass at `b` rows (both from this curve)."""
+        return self.draft_ms(head, b, t) / self.ms(b, 1)
+
     def latency(self) -> Latency:
         """The evaluator's view: the measured grid with its fitted latency model."""
         return Latency([(b, t, ms) for (b, t), ms in sorted(self.grid.items())])
@@ -99,12 +122,20 @@ class Calibration:
     def to_dict(self) -> dict:
         return {"version": VERSION, "key": self.key,
                 "grid": [[b, t, ms] for (b, t), ms in sorted(self.grid.items())],
-                "heads_ms": {str(b): ms for b, ms in sorted(self.heads_ms.items())}}
+                "heads_ms": {str(b): ms for b, ms in sorted(self.heads_ms.items())},
+                "drafts": {k: [[b, t, ms] for (b, t), ms in sorted(g.items())] for k, g in self.drafts.items()}}
 
     @classmethod
     def from_dict(cls, d: dict, path: Path | None = None) -> "Calibration":
+        drafts = {k: {(int(b), int(t)): float(ms) for b, t, ms in g} for k, g in d.get("drafts", {}).items()}
         return cls(d["key"], {(int(b), int(t)): float(ms) for b, t, ms in d["grid"]},
-                   {int(b): float(ms) for b, ms in d.get("heads_ms", {}).items()}, path)
+                   {int(b): float(ms) for b, ms in d.get("heads_ms", {}).items()}, path, drafts)
+
+
+def draft_key(head) -> str:
+    """What a feature-head pass's cost depends on: its architecture, not its weights."""
+    c = head.config
+    return json.dumps([c.style, c.hidden_size, c.draft_vocab, c.feature_dim, c.own_lm_head])
 
 
 def calibration_key(rt) -> dict:
@@ -159,9 +190,11 @@ def load_or_measure(rt, batch_sizes: list[int] | None = None, tokens: list[int] 
         todo = {b: [t for t in sorted(set(tokens) | {1}) if (b, t) not in cal.grid] for b in wanted}
         todo = {b: ts for b, ts in todo.items() if ts}
     heads_todo = [b for b in wanted if rt.heads is not None and b not in cal.heads_ms]
-    if not todo and not heads_todo:
+    drafted = cal.drafts.get(draft_key(rt.feature), {}) if rt.feature is not None else {}
+    drafts_todo = [b for b in wanted if rt.feature is not None and (b, DRAFT_TOKENS[0]) not in drafted]
+    if not todo and not heads_todo and not drafts_todo:
         return cal
-    _measure(rt, cal, todo, heads_todo, stop=tokens is None, progress=progress)
+    _measure(rt, cal, todo, heads_todo, drafts_todo, stop=tokens is None, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(cal.to_dict(), indent=1))
     _trusted.add(path)
@@ -188,11 +221,11 @@ def measured_busier(rt, cal: Calibration) -> bool:
     return True
 
 
-def _measure(rt, cal: Calibration, todo: dict[int, list[int]], heads_todo: list[int], stop: bool,
-             progress: bool) -> None:
+def _measure(rt, cal: Calibration, todo: dict[int, list[int]], heads_todo: list[int], drafts_todo: list[int],
+             stop: bool, progress: bool) -> None:
     from tqdm import tqdm
 
-    total = sum(len(ts) for ts in todo.values()) + len(heads_todo)
+    total = sum(len(ts) for ts in todo.values()) + len(heads_todo) + len(drafts_todo) * len(DRAFT_TOKENS)
     with tqdm(total=total, desc="calibrating pass cost", unit="pass", file=sys.stderr,
               disable=not progress) as bar:
         for b, ts in todo.items():
@@ -205,6 +238,15 @@ def _measure(rt, cal: Calibration, todo: dict[int, list[int]], heads_todo: list[
             cal.heads_ms.update(measure_heads(rt.heads, rt.model.config.hidden_size, heads_todo, HEADS_TOPK,
                                               rt.model.dtype, rt.model.device, REPEATS, rt.model.lm_head))
             bar.update(len(heads_todo))
+        if drafts_todo:
+            from medusa.decoding.feature_runner import draft_pass_ms
+            from medusa.runtime.feature import runner_for
+
+            runner, grid = runner_for(rt), cal.drafts.setdefault(draft_key(rt.feature), {})
+            for b in drafts_todo:
+                for t in DRAFT_TOKENS:
+                    grid[(b, t)] = draft_pass_ms(runner, b, t, PREFIX, REPEATS)
+                    bar.update(1)
 
 
 def _monotone(cal: Calibration, b: int) -> None:

@@ -21,8 +21,7 @@ import torch
 from medusa.decoding.dynamic_tree import TreeShape, is_dynamic, parse_shape
 from medusa.decoding.feature_heads import SHIPPED_FEATURE_DIR, FeatureHead, read_kind
 from medusa.decoding.feature_proposer import FeatureProposer, expected_tau_dynamic, shape_candidates
-from medusa.decoding.feature_runner import HeadRunner, draft_pass_ms
-from medusa.decoding.transformer import Transformer
+from medusa.decoding.feature_runner import HeadRunner
 from medusa.decoding.retrieval import MergedProposer
 from medusa.errors import MedusaError
 from medusa.runtime.auto import MARGIN, Plan, read_accuracy
@@ -69,9 +68,14 @@ def _runner(head: FeatureHead, dtype: torch.dtype, device: torch.device) -> Head
     return HeadRunner(head, dtype).to(device)
 
 
+def runner_for(rt: "Runtime") -> HeadRunner:
+    """The runtime's feature head, ready to run in the model's dtype on its device (one per head)."""
+    return _runner(rt.feature, rt.model.dtype, rt.model.device)
+
+
 def feature_proposer(rt: "Runtime", tree: str | None = None, batch_size: int = 1) -> FeatureProposer:
     """`--mode medusa` with feature heads: the named dynamic tree, or the planned one for `batch_size`."""
-    runner = _runner(rt.feature, rt.model.dtype, rt.model.device)
+    runner = runner_for(rt)
     if tree is not None:
         if not is_dynamic(tree):
             raise MedusaError(f"--tree: feature heads grow dynamic trees; name one as dynamic-N, dynamic-NxD "
@@ -81,34 +85,21 @@ def feature_proposer(rt: "Runtime", tree: str | None = None, batch_size: int = 1
     return FeatureProposer(rt.feature, rt.model, shape or DEFAULT_SHAPE, runner=runner)
 
 
-@functools.lru_cache(maxsize=None)
-def _draft_ratio(runner: HeadRunner, target: Transformer, rows: int, tokens: int) -> float:
-    """One head pass over `tokens` entries per row as a multiple of a one-token target pass at `rows` rows,
-    the two timed by turns, once per process (every planner of the same head then plans alike). Other work
-    on the machine slows both alike, so the ratio holds where a head pass timed under load against the
-    quiet calibrated curve would make drafting look many times dearer than it is."""
-    from medusa.runtime.timing import target_pass_ms
-
-    head, one = [], []
-    for _ in range(3):
-        head.append(draft_pass_ms(runner, rows, tokens, repeats=1))
-        one.append(target_pass_ms(target, rows))
-    return min(head) / min(one)
-
-
 class _FeatureAuto:
     """AutoSpeculation's plans for a feature head: one planned dynamic tree per batch size."""
 
     def __init__(self, rt: "Runtime", progress: bool, batch_size: int):
-        from medusa.runtime.calibrate import load_or_measure
+        from medusa.runtime.calibrate import draft_key, load_or_measure
         from medusa.runtime.gate import bucket
 
         self.rt = rt
-        self.runner = _runner(rt.feature, rt.model.dtype, rt.model.device)
+        self.runner = runner_for(rt)
+        # Everything a plan reads is measured here, once per machine (and cached on disk): planning itself,
+        # at any batch size a generation passes through as its rows finish, only reads the curve.
         self.cal = load_or_measure(rt, [1 << i for i in range(bucket(batch_size).bit_length())], progress=progress)
         self.accuracy = read_accuracy(rt.feature)
         self.shapes: dict[str, TreeShape] = {}
-        self._draft_ratio = functools.partial(_draft_ratio, self.runner, rt.model)
+        self._draft_ratio = functools.partial(self.cal.draft_ratio, draft_key(rt.feature))
 
     @functools.lru_cache(maxsize=None)  # noqa: B019 (one planner per runtime; plans are pure per batch size)
     def plan(self, rows: int):

@@ -8,6 +8,12 @@ over the last `window` speculative steps (judged from MIN_EVIDENCE on) lies two 
 max(min_tau, t_spec / t_plain), speculation pauses in that bucket, and in the larger ones, for
 `retry_after_steps` steps, doubling after each consecutive failure up to MAX_BACKOFF times; then it is
 tried again. A bucket's first step is plain, to measure the cost a speculative step has to beat.
+
+A step's cost is its own time plus what choosing it took (planning a tree for a new batch size, building a
+proposer): t_spec = fastest recent speculative step + the bucket's mean choosing time per speculative step,
+and alike for plain steps. The fastest step is the step's cost without other work on the machine; the
+choosing time is work the step really adds, so it is counted in full and spread over the steps it served.
+A planner that is slow, once per batch size or on every step, therefore closes the gate like a slow step.
 """
 
 from __future__ import annotations
@@ -40,9 +46,18 @@ class _Record:
         self.paused_until = -1
         self.failures = 0
         self.seconds: dict[str, deque[float]] = {}  # recent step times: "spec" / "plain"
+        self.overhead: dict[str, list[float]] = {}  # [total choosing seconds, steps] per kind, all steps
 
-    def time(self, kind: str, seconds: float) -> None:
+    def time(self, kind: str, seconds: float, overhead: float = 0.0) -> None:
         self.seconds.setdefault(kind, deque(maxlen=self.TIMES)).append(seconds)
+        total = self.overhead.setdefault(kind, [0.0, 0])
+        total[0] += max(overhead, 0.0)
+        total[1] += 1
+
+    def cost(self, kind: str) -> float:
+        """A step's cost: the fastest recent one plus the mean time spent choosing it."""
+        total, steps = self.overhead[kind]
+        return min(self.seconds[kind]) + total / steps
 
     @property
     def cost_ratio(self) -> float | None:
@@ -53,7 +68,7 @@ class _Record:
         1.6, and paused speculation that paid). The first step of a new shape (kernel setup, several times
         a normal one) is never the fastest, so it cannot close the gate either."""
         if "spec" in self.seconds and "plain" in self.seconds:
-            return min(self.seconds["spec"]) / max(min(self.seconds["plain"]), 1e-9)
+            return self.cost("spec") / max(self.cost("plain"), 1e-9)
         return None
 
 
@@ -86,10 +101,11 @@ class AcceptanceGate:
         b = bucket(n)
         return any(r.paused_until > self.step for size, r in self.records.items() if size <= b)
 
-    def observe(self, n: int, speculative: bool, tau: float, seconds: float) -> str | None:
-        """Feed back a finished step of `n` rows; returns a description when it pauses speculation."""
+    def observe(self, n: int, speculative: bool, tau: float, seconds: float, overhead: float = 0.0) -> str | None:
+        """Feed back a finished step of `n` rows (`overhead`: the time choosing it took); returns a
+        description when it pauses speculation."""
         rec = self.record(n)
-        rec.time("spec" if speculative else "plain", seconds)
+        rec.time("spec" if speculative else "plain", seconds, overhead)
         if not speculative:
             return None
         rec.taus.append(tau)

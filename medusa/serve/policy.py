@@ -236,10 +236,11 @@ class SpeculationPolicy(StepPolicy):
         self.last = decision
         return decision
 
-    def observe(self, rows: int, speculative: bool, tau: float, seconds: float) -> None:
-        """Feed back a finished step: its batch size, speculative or not, tokens per row (tau), duration."""
+    def observe(self, rows: int, speculative: bool, tau: float, seconds: float, overhead: float = 0.0) -> None:
+        """Feed back a finished step: its batch size, speculative or not, tokens per row (tau), duration,
+        and the time choosing it took."""
         if self.cfg.mode != "dynamic":
             return
-        paused = self.gate.observe(rows, speculative, tau, seconds)
+        paused = self.gate.observe(rows, speculative, tau, seconds, overhead)
         if paused:
             log.info(paused)

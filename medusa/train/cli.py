@@ -13,7 +13,8 @@ from medusa.train.export import FORMATS
 
 def add_parser(subparsers) -> None:
     d = subparsers.add_parser("distill", help="have the target answer training prompts (resumable)")
-    d.add_argument("--config", required=True, help="training YAML (its data section is used)")
+    d.add_argument("--config", required=True, help="training YAML, Medusa or feature head (its model, dtype and "
+                   "data sections are used)")
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. data.limit=256 (repeatable)")
     d.add_argument("--no-progress", action="store_true")
@@ -103,9 +104,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
     import os
     import sys
 
+    from medusa.io import read_yaml
     from medusa.train.distill import run_distill
+    from medusa.train.feature import load_feature_config
 
-    cfg = load_config(args.config, args.set)
+    feature = "head" in read_yaml(args.config)
+    cfg = (load_feature_config if feature else load_config)(args.config, args.set)
     if int(os.environ.get("RANK", "0")) > 0:
         # Distillation runs in one process; under a launcher the other ranks would repeat its work.
         print(f"medusa distill: rank {os.environ['RANK']} has nothing to do (rank 0 distils)", file=sys.stderr)

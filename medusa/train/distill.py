@@ -9,6 +9,11 @@ Layout of a distilled directory (what other training code can reuse, see `load_d
     <dir>/meta.json                     model, dtype, max_new_tokens, max_prompt_tokens, sources
     <dir>/shard-00000/ ...              `Dataset.save_to_disk` output, columns:
         prompt (str), prompt_ids (list[int]), response_ids (list[int]), response (str), finish_reason (str)
+    <dir>/shard-00000/count.json        rows, and what answered them: dtype, machine, seconds of wall time
+
+A directory may be continued in another dtype (a machine without native bf16 answers in fp32): `meta.json`
+keeps the dtype it was started in, each shard's count.json the one that answered it. Greedy answers of the
+two dtypes part only where the top two logits are within rounding, so heads train on either alike.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import time
 from collections import deque
 from pathlib import Path
 
@@ -49,7 +55,8 @@ def extends(old: dict, new: dict) -> bool:
     """A distilled directory made with `old` settings can be continued with `new` ones: the same settings,
     with the same sources first (more sources append prompts after the ones already answered, so every
     existing shard keeps its prompts)."""
-    same = {k: v for k, v in old.items() if k != "sources"} == {k: v for k, v in new.items() if k != "sources"}
+    free = ("sources", "dtype")
+    same = {k: v for k, v in old.items() if k not in free} == {k: v for k, v in new.items() if k not in free}
     return same and new["sources"][: len(old["sources"])] == old["sources"]
 
 
@@ -132,7 +139,10 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True) -> P
     if meta_path.exists() and not extends(json.loads(meta_path.read_text()), _meta(cfg)):
         raise MedusaError(f"data.distill_dir: {out} holds answers made with other settings "
                           f"({meta_path.read_text().strip()}); choose another directory")
-    write_json_atomic(meta_path, _meta(cfg))
+    meta = _meta(cfg)
+    if meta_path.exists():  # the dtype it was started in stays; each shard records its own
+        meta["dtype"] = json.loads(meta_path.read_text()).get("dtype", cfg.dtype)
+    write_json_atomic(meta_path, meta)
     rt = runtime or Runtime.load(cfg.model, heads="none", dtype=cfg.dtype)
     prompts = select_prompts(cfg, rt.tokenizer)
     if not prompts:
@@ -146,6 +156,8 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True) -> P
     chunks = dict(todo)
     answers: dict[int, dict[int, object]] = {i: {} for i, _ in todo}
     batch_size = distill_batch_size(cfg, rt, len(prompts))
+    made = {"dtype": cfg.dtype, "machine": rt.machine.describe()}
+    started = time.monotonic()
     bar = tqdm(total=len(flat) * cfg.data.max_new_tokens, unit="tok", desc=f"distill {len(todo)}/{len(shards)} shards",
                disable=not show_progress)
 
@@ -159,7 +171,8 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True) -> P
             rows = {"prompt": [p for p, _ in chunk], "prompt_ids": [ids for _, ids in chunk],
                     "response_ids": [g.tokens for g in got], "response": [rt.decode(g.tokens) for g in got],
                     "finish_reason": [g.reason for g in got]}
-            _save_shard(Dataset.from_dict(rows), out / f"shard-{shard:05d}")
+            _save_shard(Dataset.from_dict(rows), out / f"shard-{shard:05d}",
+                        {**made, "seconds_since_start": round(time.monotonic() - started, 1)})
 
     answer_all(rt.engine, [chunks[i][k][1] for i, k in flat], cfg.data.max_new_tokens, batch_size, bar, finished)
     bar.close()
@@ -171,10 +184,10 @@ def _shard_count(path: Path) -> int:
     return json.loads(info.read_text())["rows"] if info.exists() else -1
 
 
-def _save_shard(ds, path: Path) -> None:
+def _save_shard(ds, path: Path, made: dict | None = None) -> None:
     def fill(tmp: Path) -> None:
         ds.save_to_disk(str(tmp))
-        (tmp / "count.json").write_text(json.dumps({"rows": len(ds)}))
+        (tmp / "count.json").write_text(json.dumps({"rows": len(ds), **(made or {})}))
 
     atomic_dir(path, fill)
 
