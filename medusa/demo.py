@@ -12,9 +12,17 @@ from medusa.runtime.auto import describe_auto
 from medusa.errors import MedusaError
 from medusa.decoding.hardware import DTYPE_CHOICES
 from medusa.runtime import Runtime
+from medusa.runtime.args import int_list
 
 PROMPTS = ["Explain in three sentences why the sky is blue.",
            "Write a Python function that checks whether a string is a palindrome."]
+# The batch-size table's prompts: several kinds, so no size is timed on one kind of text alone.
+MORE = ["Translate into Spanish: 'The museum opens at nine, but the best time to visit is after lunch.'",
+        "List five tips for keeping houseplants alive in winter.",
+        "Summarize the plot of Romeo and Juliet in four sentences.",
+        "What is the difference between a list and a tuple in Python? Give an example of each.",
+        "Write a short, friendly email asking a colleague to review a report by Friday.",
+        "Explain what a hash table is to a beginner programmer."]
 WIDTH = 60
 
 
@@ -26,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="auto (default): what this machine's calibration recommends; medusa: always speculate")
     p.add_argument("--tree", default=None, help="with --mode medusa: the tree")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,bf16,fp32}")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8], metavar="1,2,4,8",
+                   help="then time plain decoding against auto mode at these batch sizes and say what auto "
+                        "chose at each")
+    p.add_argument("--no-table", action="store_true", help="skip the batch-size table")
+    p.add_argument("--table-tokens", type=int, default=64, help="new tokens per row in the batch-size table")
     args = p.parse_args(argv)
     texts = args.prompt or PROMPTS
     try:
@@ -64,7 +77,24 @@ def main(argv: list[str] | None = None) -> int:
               + (f"; {'; '.join(auto.events)}" if auto.events else ""))
     if spec.stats.steps and any(spec.stats.acceptance_by_head()):
         print("per-head acceptance: " + ", ".join(f"{a:.2f}" for a in spec.stats.acceptance_by_head()))
+    if args.mode == "auto" and not args.no_table:
+        batch_table(rt, rt.encode(texts + MORE), args.batch_sizes, args.table_tokens)
     return 0
+
+
+def batch_table(rt: Runtime, prompts: list[list[int]], sizes: list[int], max_new_tokens: int) -> None:
+    """Plain decoding against default flags at each batch size (one batch each: a short run moves by several
+    percent), with what auto mode chose there: its plan, its steps, and any pause of its gate."""
+    from medusa.eval.bench import batched_rates
+
+    print(f"
+by batch size ({max_new_tokens} new tokens per row, one batch each, prompts of several kinds):")
+    for b, r in batched_rates(rt, prompts, sizes, max_new_tokens, repeats=1, max_groups=1).items():
+        plan, steps = r["auto_plan"], r["auto_steps"]
+        chose = f"{plan['tree']} planned" if plan["tree"] else "plain decoding planned"
+        print(f"  bs {b}: plain {r['plain']:6.1f} tok/s, auto {r['auto']:6.1f} tok/s, {r['auto'] / r['plain']:.2f}x; "
+              f"auto: {chose}, {steps['speculative']} speculative and {steps['plain']} plain steps, "
+              f"tau {r['auto_tau']:.2f}")
 
 
 def side_by_side(left_text: str, right_text: str, label: str) -> None:

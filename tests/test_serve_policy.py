@@ -7,16 +7,19 @@ import json
 import pytest
 
 from medusa.errors import MedusaError
+from medusa.runtime.gate import AcceptanceGate
 from medusa.serve.config import PolicyConfig, load_config
 from medusa.serve.policy import SpeculationPolicy
 
 
 def policy(has_medusa: bool = True, has_draft: bool = False, warm: bool = True, **kw) -> SpeculationPolicy:
-    """A policy; `warm` feeds it one plain step per batch bucket, as if it had already probed them."""
+    """A policy; `warm` feeds it the gate's plain probe steps in every batch bucket, as if it had already
+    timed them."""
     p = SpeculationPolicy(PolicyConfig(**kw), has_medusa, has_draft)
     if warm:
         for n in (1, 2, 4, 8, 16, 32, 64, 128):
-            p.observe(n, False, 1.0, 0.01)
+            for _ in range(AcceptanceGate.PLAIN_PROBES):
+                p.observe(n, False, 1.0, 0.01)
     return p
 
 

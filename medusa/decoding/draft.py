@@ -225,9 +225,10 @@ def vocab_subset_head(target: torch.nn.Module, vocab: torch.Tensor) -> torch.nn.
 def load_draft_hf(spec: str, target: torch.nn.Module) -> torch.nn.Module:
     """The draft as an HF causal LM (what HF assisted generation takes as `assistant_model`).
 
-    spec: `default` (the shipped truncated draft of the embedded model), `layers:N` (the target's first N
-    layers, untrained), a directory written by `medusa train-draft`, or any HF model directory / hub id
-    sharing the target's tokenizer.
+    spec: `default` (a named target's smaller sibling, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b; else
+    the shipped truncated draft of the embedded model), `layers:N` (the target's first N layers, untrained),
+    a directory written by `medusa train-draft`, a named model, or any HF model directory / hub id sharing
+    the target's tokenizer.
     """
     return _load(spec, target)[0]
 
@@ -242,6 +243,11 @@ def _load(spec: str, target: torch.nn.Module) -> tuple[torch.nn.Module, torch.Te
         except ValueError:
             raise MedusaError(f"--draft: {spec!r}: expected layers:N with an integer N") from None
         return truncated_model(target, n), None
+    if spec == "default":
+        from medusa.decoding.model import NAMED_MODELS, named_model_of
+
+        named = named_model_of(target)
+        spec = (NAMED_MODELS[named].draft or spec) if named is not None else spec
     directory = SHIPPED_DRAFT if spec == "default" else Path(spec)
     if (directory / DRAFT_FILES[1]).exists():
         info = json.loads((directory / DRAFT_FILES[1]).read_text())

