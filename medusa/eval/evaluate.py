@@ -46,7 +46,7 @@ def finish_from_partial(cfg: EvalConfig, out_dir: Path, partial: Path, progress:
         rt = _runtime(cfg, any(r["kind"] == "medusa" for r in results))
         cfg = cfg.model_copy(update={"batch_sizes": sorted({r["batch_size"] for r in results})})
         cost = build_cost_model(rt, cfg, Methods(rt, cfg), results, progress) if cfg.cost_model.enabled else {}
-        report = _report(rt, cfg, len(load_prompts(cfg.prompts, cfg.max_prompts)), results, cost)
+        report = _report(rt, cfg, len(eval_texts(cfg)), results, cost)
         report["interrupted"] = True
         write_report(report, out_dir)
         return report
@@ -66,7 +66,18 @@ def torch_threads(threads: int | None) -> Iterator[None]:
 
 def _runtime(cfg: EvalConfig, needs_heads: bool) -> Runtime:
     return Runtime.load(cfg.model, cfg.heads if needs_heads else "none", cfg.dtype, cfg.device,
-                        datastore=cfg.datastore)
+                        datastore=cfg.datastore, batch_invariant=cfg.batch_invariant)
+
+
+def eval_texts(cfg: EvalConfig) -> list[str]:
+    """The prompts: up to `max_prompts` from each source, in the order the sources are listed."""
+    texts = []
+    for source in cfg.sources:
+        got = load_prompts(source, cfg.max_prompts)
+        if not got:
+            raise MedusaError(f"eval config: prompts: {source} gave no prompts")
+        texts += got
+    return texts
 
 
 def _report(rt: Runtime, cfg: EvalConfig, num_prompts: int, results: list[dict], cost: dict) -> dict:
@@ -86,10 +97,8 @@ def _report(rt: Runtime, cfg: EvalConfig, num_prompts: int, results: list[dict],
 def _evaluate(cfg: EvalConfig, out_dir: Path, progress: bool) -> dict:
     from tqdm import tqdm
 
-    rt = _runtime(cfg, any(m.method in ("medusa", "medusa+suffix") for m in cfg.methods))
-    texts = load_prompts(cfg.prompts, cfg.max_prompts)
-    if not texts:
-        raise MedusaError(f"eval config: prompts: {cfg.prompts} gave no prompts")
+    rt = _runtime(cfg, any(m.method in ("medusa", "medusa+suffix", "auto") for m in cfg.methods))
+    texts = eval_texts(cfg)
     prompts = rt.encode(texts, raw=cfg.raw_prompts)
     methods = Methods(rt, cfg)
     runs = planned_runs(cfg)
@@ -98,6 +107,8 @@ def _evaluate(cfg: EvalConfig, out_dir: Path, progress: bool) -> dict:
             methods.proposer(m)
         elif m.method == "hf_assisted":
             methods.draft_hf(m.draft or "default")
+        elif m.method == "auto":
+            rt.auto(max(cfg.batch_sizes))  # this machine's curve, measured once, before anything is timed
     if cfg.warmup:
         for m in cfg.methods:
             methods.run(m, prompts[:1], 1, min(16, cfg.max_new_tokens))

@@ -45,8 +45,11 @@ class Methods:
         if m.method in HF:
             draft = self.draft_hf(m.draft or "default") if m.method == "hf_assisted" else None
             return run_hf(self.rt, prompts, batch, max_new, m, draft, self.cfg.sampling(0))
-        return run_engine(self.rt.engine, prompts, batch, max_new, self.proposer(m),
-                          self.cfg.sampling if self.cfg.sampled else None)
+        sampling = self.cfg.sampling if self.cfg.sampled else None
+        if m.method == "auto":  # a fresh auto mode per run, as each `medusa generate` makes one
+            policy = self.rt.auto(batch, progress=False)
+            return run_engine(self.rt.engine, prompts, batch, max_new, sampling=sampling, policy=policy)
+        return run_engine(self.rt.engine, prompts, batch, max_new, self.proposer(m), sampling)
 
 
 def planned_runs(cfg: EvalConfig) -> list[tuple[int, MethodSpec]]:

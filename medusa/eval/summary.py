@@ -27,7 +27,7 @@ def summarize(m: MethodSpec, batch: int, results: list[RunResult], reference: li
                  "seconds": statistics.median(r.seconds for r in results),
                  "new_tokens": first.new_tokens, "repeats": len(results),
                  "mean_accepted": None, "acceptance_by_head": None}
-    if m.method in OURS:
+    if m.method in OURS or m.method == "auto":
         row["mean_accepted"] = first.stats.mean_accepted
         row["acceptance_by_head"] = first.stats.acceptance_by_head()
         if m.method == "draft":
@@ -75,7 +75,7 @@ def summaries(runs: list[tuple[int, MethodSpec]], raw: dict[tuple[int, str], lis
 def measured_crossover(results: list[dict]) -> dict:
     """Per speculative method: the smallest batch size whose measured speedup is no longer above 1."""
     out: dict = {}
-    for kind in ("medusa", "feature", "draft", "lookup"):
+    for kind in ("auto", "medusa", "feature", "draft", "lookup", "suffix"):
         best: dict[int, float] = {}
         for r in results:
             if r["kind"] == kind:
