@@ -87,8 +87,7 @@ def batch_table(rt: Runtime, prompts: list[list[int]], sizes: list[int], max_new
     percent), with what auto mode chose there: its plan, its steps, and any pause of its gate."""
     from medusa.eval.bench import batched_rates
 
-    print(f"
-by batch size ({max_new_tokens} new tokens per row, one batch each, prompts of several kinds):")
+    print(f"\nby batch size ({max_new_tokens} new tokens per row, one batch each, prompts of several kinds):")
     for b, r in batched_rates(rt, prompts, sizes, max_new_tokens, repeats=1, max_groups=1).items():
         plan, steps = r["auto_plan"], r["auto_steps"]
         chose = f"{plan['tree']} planned" if plan["tree"] else "plain decoding planned"

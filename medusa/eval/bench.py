@@ -33,8 +33,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--batch-invariant", default="off", choices=["on", "off"],
                    help="time batch-invariant decoding (see `medusa generate --help`)")
-    p.add_argument("--prompts", default="mtbench", help="mtbench, sharegpt or a file")
-    p.add_argument("--num-prompts", type=int, default=6)
+    p.add_argument("--prompts", default="mtbench", help="mtbench, sharegpt, humaneval or a file; several "
+                                                          "comma-separated, --num-prompts from each")
+    p.add_argument("--num-prompts", type=int, default=6, help="prompts from each source")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--batch-sizes", type=int_list, default=[1], metavar="1,2,4,8",
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     fixed.update(bench_methods(rt, args.feature))
     suffix = rt.proposer("suffix")  # retrieval alone: what auto mode grafts onto the heads' trees
     fixed[f"suffix:{suffix.tree.name}"] = suffix
-    prompts = rt.encode(load_prompts(args.prompts, args.num_prompts))
+    prompts = rt.encode([t for source in args.prompts.split(",") for t in load_prompts(source, args.num_prompts)])
     rt.auto(1)  # calibrate (once per machine) before anything is timed
     n_new = args.max_new_tokens
     eos = rt.engine.eos.tolist()
