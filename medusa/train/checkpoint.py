@@ -99,23 +99,31 @@ def save(run, stepper, step: int) -> None:
 
 
 def _save_deepspeed(run, stepper, step: int) -> None:
-    """Every process writes its optimizer partition into a shared temporary directory; rank 0 renames."""
-    root = run.run_dir / "checkpoints"
-    tmp = root / f".step-{step:08d}.ds"
-    if run.d.main:
-        root.mkdir(parents=True, exist_ok=True)
-    run.d.barrier()
-    stepper.engine.save_checkpoint(str(tmp), tag="ds", client_state={"step": step, "history": run.history})
-    run.d.barrier()
-    if run.d.main:
-        def fill(t: Path) -> None:
-            run.objective.heads.save(t / "heads")
-            os.replace(tmp / "ds", t / "ds")
-            torch.save({"step": step, "rng": rng_state(), "history": run.history}, t / STATE)
+    def fill(t: Path) -> None:
+        run.objective.heads.save(t / "heads")
+        torch.save({"step": step, "rng": rng_state(), "history": run.history}, t / STATE)
 
-        save_checkpoint(root, step, run.meta, fill, run.cfg.keep_checkpoints)
+    save_sharded(run.run_dir / "checkpoints", run.d, stepper.engine, step, run.meta, fill, run.cfg.keep_checkpoints,
+                 {"step": step, "history": run.history})
+
+
+def save_sharded(root: Path, d, engine, step: int, meta: dict, fill, keep: int, client_state: dict) -> None:
+    """A DeepSpeed run's checkpoint: every process writes its optimizer partition into a shared temporary
+    directory (`ds/`), then rank 0 adds what `fill(tmpdir)` writes and renames the whole into place."""
+    tmp = root / f".step-{step:08d}.ds"
+    if d.main:
+        root.mkdir(parents=True, exist_ok=True)
+    d.barrier()
+    engine.save_checkpoint(str(tmp), tag="ds", client_state=client_state)
+    d.barrier()
+    if d.main:
+        def fill_all(t: Path) -> None:
+            fill(t)
+            os.replace(tmp / "ds", t / "ds")
+
+        save_checkpoint(root, step, meta, fill_all, keep)
         shutil.rmtree(tmp, ignore_errors=True)
-    run.d.barrier()
+    d.barrier()
 
 
 def resume(run, stepper) -> int:

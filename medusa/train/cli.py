@@ -32,8 +32,12 @@ def add_parser(subparsers) -> None:
     t.add_argument("--prepare-only", action="store_true", help="build the hidden-state cache and stop")
     t.set_defaults(func=cmd_train)
 
-    f = subparsers.add_parser("train-feature", help="train a feature head (EAGLE-style; resumable: re-run to continue)")
+    f = subparsers.add_parser("train-feature", help="train a feature head (EAGLE-style; resumable: re-run to continue; "
+                                                    "also under torchrun / deepspeed / accelerate launch)")
     f.add_argument("--config", required=True, help="training YAML, e.g. configs/feature/smollm2-feature.yaml")
+    f.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    f.add_argument("--deepspeed", default=None, help="DeepSpeed JSON config, e.g. configs/deepspeed/zero2.json "
+                                                     "(overrides the config key; used with several processes)")
     f.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. loss.unroll=2 (repeatable)")
     f.add_argument("--prepare-only", action="store_true", help="extract and cache the target's features, then stop")
@@ -136,7 +140,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_train_feature(args: argparse.Namespace) -> int:
     from medusa.train.feature import evaluate_saved, load_feature_config, run_feature_training
 
-    cfg = load_feature_config(args.config, args.set + ([f"resume_from={args.resume}"] if args.resume else []))
+    cfg = load_feature_config(args.config, args.set + ([f"resume_from={args.resume}"] if args.resume else [])
+                              + ([f"deepspeed={args.deepspeed}"] if args.deepspeed else []))
     if args.evaluate:
         if not (Path(args.evaluate) / "heads.json").is_file():
             raise MedusaError(f"--evaluate: {args.evaluate} holds no feature head (no heads.json)")
@@ -145,6 +150,8 @@ def cmd_train_feature(args: argparse.Namespace) -> int:
               + ", ".join(f"{a:.3f}" for a in report.get("top1", [])))
         return 0
     result = run_feature_training(cfg, progress=not args.no_progress, prepare_only=args.prepare_only)
+    if "head_dir" not in result and not args.prepare_only:
+        return 0  # a rank other than 0: rank 0 reports
     if args.prepare_only:
         print(f"features cached: {result['sequences']} sequences, {result['positions']} label positions")
         return 0

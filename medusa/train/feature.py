@@ -35,11 +35,12 @@ from medusa.train import checkpoint as ckpt
 from medusa.train.config import OptimConfig, RunConfig, StrictConfig, WandbConfig, apply_overrides
 from medusa.train.data import load_examples, split_groups
 from medusa.train.dist import Dist
-from medusa.train.feature_data import (Features, cached_features, draft_map, draft_vocabulary, extract, feature_fn,
-                                       sequence_order)
+from medusa.train.feature_data import (Features, OnlineFeatures, cached_features, draft_map, draft_vocabulary,
+                                       extract, feature_fn, sequence_order)
 from medusa.train.hidden import table_key
 from medusa.train.logs import start_wandb
 from medusa.train.optim import Stepper
+from medusa.train.trainer import fault_injection
 from medusa.train.vocab_loss import DraftVocab
 
 
@@ -84,6 +85,14 @@ class FeatureTrainConfig(RunConfig):
     # Where a run with no checkpoint of its own starts: a checkpoint directory (`.../checkpoints/step-N`) or a
     # run directory (its latest checkpoint), e.g. one committed from another machine (`--resume PATH`).
     resume_from: str | None = None
+    # DeepSpeed JSON config (ZeRO-1/2) for runs of several processes; without it they sum their gradients
+    # themselves (torchrun, `accelerate launch`, or the deepspeed launcher without a config).
+    deepspeed: str | None = None
+    # Where the target's features come from: `offline` caches them under run_dir/features/ first (extracted
+    # once, reused by every epoch and every later run); `online` runs the frozen target inside each training
+    # step on that step's sequences, caching nothing (for targets whose cache would not fit the disk: see
+    # docs/feature-heads.md, "Features online or cached").
+    features: Literal["offline", "online"] = "offline"
 
 
 def load_feature_config(path: str | Path, overrides: list[str] | None = None) -> FeatureTrainConfig:
@@ -136,9 +145,27 @@ def unrolled(head, emb: torch.Tensor, f_in: torch.Tensor, label_ok: torch.Tensor
         x = head.inputs(emb, torch.cat([out[:, :1] * 0, out[:, :-1]], 1), fused=False)
 
 
+def label_mask(answer: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, T]: the positions s whose s+2 is an answer token (what a draft at s is trained to predict)."""
+    b, t = answer.shape
+    ok = torch.zeros(b, t, dtype=torch.bool, device=answer.device)
+    ok[:, : t - 2] = answer[:, 2:] & valid[:, 2:]
+    return ok
+
+
+def step_counts(answer: torch.Tensor, valid: torch.Tensor, steps: int) -> torch.Tensor:
+    """Labelled positions per unroll step [steps] (step j has none in a sequence's first j positions)."""
+    ok = label_mask(answer, valid)
+    return torch.stack([ok[:, j:].sum() for j in range(steps)]).float()
+
+
 def head_loss(head, cfg: FeatureTrainConfig, feats: torch.Tensor, tokens: torch.Tensor, answer: torch.Tensor,
-              top: torch.Tensor, valid: torch.Tensor, full_to_draft: torch.Tensor, noise: bool = True):
-    """feats [B, T, F] (float), tokens/answer/top/valid [B, T]. Returns (loss, stats per unroll step)."""
+              top: torch.Tensor, valid: torch.Tensor, full_to_draft: torch.Tensor, noise: bool = True,
+              counts: torch.Tensor | None = None):
+    """feats [B, T, F] (float), tokens/answer/top/valid [B, T]. Returns (loss, stats per unroll step).
+    `counts` [unroll]: the labelled positions per step that each step's loss is averaged over (default:
+    this batch's; a process holding part of a global batch passes the whole batch's, `step_counts` summed
+    over the processes, so the processes' summed gradients are the whole batch's)."""
     b, t, _ = feats.shape
     h = head.config.hidden_size
     # Inputs at position s: f_s and x_{s+1}; targets: f_{s+1} and the target's distribution at s+1.
@@ -147,8 +174,7 @@ def head_loss(head, cfg: FeatureTrainConfig, feats: torch.Tensor, tokens: torch.
     if noise and cfg.loss.noise > 0:
         f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * cfg.loss.noise
     target_feat = shifted(feats[..., -h:])  # the final feature at s+1
-    label_ok = torch.zeros(b, t, dtype=torch.bool, device=feats.device)
-    label_ok[:, : t - 2] = answer[:, 2:] & valid[:, 2:]
+    label_ok = label_mask(answer, valid)
     # The vocabulary projections and the loss run on the labelled positions only (answers, not prompts
     # or padding): rows [N] of the flattened batch; step j's labels are the subset where ok_j holds.
     rows = label_ok.flatten().nonzero().squeeze(1)
@@ -161,7 +187,7 @@ def head_loss(head, cfg: FeatureTrainConfig, feats: torch.Tensor, tokens: torch.
     stats = []
     for j, out, ok in unrolled(head, emb, f_in, label_ok, cfg.loss.unroll):
         w = ok.flatten()[rows].float()  # [N]: 0 where step j has no label (its first j positions)
-        count = w.sum().clamp(min=1)
+        count = (w.sum() if counts is None else counts[j]).clamp(min=1)
         out_rows = out.flatten(0, 1)[rows]
         ce, drafted = vocab.loss(out_rows if head.norm is None else head.norm(out_rows), teacher)
         step_loss = cfg.loss.ce_weight * (ce * w).sum() / count
@@ -187,12 +213,21 @@ def chunk_groups(cfg: FeatureTrainConfig, groups: list[tuple[str, list[dict]]]) 
     return out
 
 
-def training_features(cfg: FeatureTrainConfig, groups, base: dict, fn, progress: bool) -> Features:
-    parts = []
-    for name, exs in groups:
+def training_features(cfg: FeatureTrainConfig, groups, base: dict, fn, progress: bool, d: Dist | None = None) -> Features:
+    """Every chunk's cached features. With several processes each extracts every world-th missing chunk
+    (the target runs in all of them at once), then all read every chunk from the shared run directory."""
+    d = d or Dist()
+
+    def chunk(name: str, exs: list[dict]) -> Features:
         key = table_key(base, cfg.dtype, cfg.head.feature_layers, name, [e["input_ids"] for e in exs])
-        parts.append(cached_features(Path(cfg.run_dir), name, key, lambda exs=exs: extract(exs, fn, progress=progress)))
-    return Features.cat(parts)
+        return cached_features(Path(cfg.run_dir), name, key, lambda: extract(exs, fn, progress=progress and d.main))
+
+    if d.world > 1:
+        for i, (name, exs) in enumerate(groups):
+            if i % d.world == d.rank:
+                chunk(name, exs)
+        d.barrier()
+    return Features.cat([chunk(name, exs) for name, exs in groups])
 
 
 def _make_head(cfg: FeatureTrainConfig, hf, feats: Features, resume: Path | None):
@@ -204,7 +239,7 @@ def _make_head(cfg: FeatureTrainConfig, hf, feats: Features, resume: Path | None
     from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
 
     if resume is None:
-        ids = draft_vocabulary(torch.bincount(feats.tokens[feats.answer], minlength=hf.config.vocab_size),
+        ids = draft_vocabulary(torch.bincount(feats.answer_tokens(), minlength=hf.config.vocab_size),
                                cfg.head.draft_vocab)
     else:
         ids = load_file(str(resume / "head" / "feature_head.safetensors"))["draft_ids"]
@@ -218,26 +253,42 @@ def _make_head(cfg: FeatureTrainConfig, hf, feats: Features, resume: Path | None
 
 def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare_only: bool = False) -> dict:
     from medusa.decoding.model import load_target
+    from medusa.train.dist import init_dist
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    hf, tokenizer = load_target(cfg.model, cfg.dtype, "cpu" if not torch.cuda.is_available() else None)
+    d = init_dist(bool(cfg.deepspeed))
+    if cfg.batch_size < d.world:
+        raise MedusaError(f"batch_size: {cfg.batch_size} sequences cannot be shared by {d.world} processes; "
+                          f"use at least {d.world}")
+    if d.world > 1 and d.main:
+        print(f"training in {d.world} processes (rank 0 on {d.device})", file=sys.stderr, flush=True)
+    hf, tokenizer = load_target(cfg.model, cfg.dtype, d.device)
     hf.eval().requires_grad_(False)
     train_groups, held = split_groups(cfg, chunk_groups(cfg, load_examples(cfg, tokenizer)))
     base = ckpt.base_fingerprint(hf, cfg.model)
     fn = feature_fn(hf, cfg.head.feature_layers)
     t0 = time.perf_counter()
-    feats = training_features(cfg, train_groups, base, fn, progress)
+    if cfg.features == "online":
+        if prepare_only:
+            raise MedusaError("--prepare-only caches features; with features: online there is nothing to cache")
+        feats = OnlineFeatures([e for _, exs in train_groups for e in exs], fn, d.device)
+    else:
+        feats = training_features(cfg, train_groups, base, fn, progress, d)
     extract_seconds = time.perf_counter() - t0
     if prepare_only:
         return {"sequences": len(feats), "positions": feats.positions(), "seconds": extract_seconds}
     point = resume_point(Path(cfg.run_dir), cfg.resume_from)
     head, full_to_draft = _make_head(cfg, hf, feats, point)
+    head, full_to_draft = head.to(d.device), full_to_draft.to(d.device)
     meta = {"base": base, "heads": asdict(head.config) | {"base_model": None}}
     t0 = time.perf_counter()
-    step, trained = _train(cfg, head, feats, full_to_draft, meta, point)
+    step, trained = _train(cfg, head, feats, full_to_draft, meta, point, d)
     train_seconds = time.perf_counter() - t0
+    if not d.main:  # rank 0 measures and writes the head
+        d.barrier()
+        return {"rank": d.rank, "step": step, "trained_tokens": trained, "train_seconds": train_seconds}
     report = evaluate_head(head, cfg, hf, fn, held, full_to_draft)
     report.update(step=step, trained_tokens=trained, extract_seconds=round(extract_seconds, 1))
     out = Path(cfg.run_dir) / "head"
@@ -248,8 +299,9 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
         (tmp / "train_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
 
     atomic_dir(out, fill)
+    d.barrier()
     return {"run_dir": str(Path(cfg.run_dir)), "head_dir": str(out), "step": step, "trained_tokens": trained,
-            "train_seconds": train_seconds, "eval": report}
+            "train_seconds": train_seconds, "eval": report, "processes": d.world}
 
 
 def evaluate_saved(cfg: FeatureTrainConfig, head_dir: str | Path) -> dict:
@@ -283,60 +335,85 @@ def step_autocast(precision: str, device: torch.device) -> torch.autocast:
 
 
 def _train(cfg: FeatureTrainConfig, head, feats: Features, full_to_draft: torch.Tensor, meta: dict,
-           point: Path | None) -> tuple[int, int]:
+           point: Path | None, d: Dist | None = None) -> tuple[int, int]:
     """Step until max_steps / epochs / max_train_tokens (resuming from checkpoint `point`, if any); returns the
-    step reached and the positions trained."""
+    step reached and the positions trained.
+
+    Several processes: every one draws the same global batch of `batch_size` sequences and takes every
+    world-th of them; each step's loss is averaged over the whole batch's labels (`step_counts` summed over
+    the processes) and the gradients are summed, so N processes make the update one process makes, and a
+    checkpoint (the head, AdamW and the schedule, written by rank 0) resumes at any process count."""
+    d = d or Dist()
     run_dir = Path(cfg.run_dir)
     per_epoch = max(1, len(feats) // cfg.batch_size)
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
-    stepper = Stepper(cfg, Dist(), head, [{"params": [p for p in head.parameters() if p.requires_grad],
-                                           "lr": cfg.optim.lr}], total)
-    step, trained, history = _resume(point, head, stepper, meta)
+    stepper = Stepper(cfg, d, head, [{"params": [p for p in head.parameters() if p.requires_grad],
+                                      "lr": cfg.optim.lr}], total, ddp=False)
+    step, trained, history = _resume(point, head, stepper, meta, d)
     autocast = step_autocast(cfg.precision, next(head.parameters()).device)
-    wb = start_wandb(cfg, run_dir) if step < total else None
+    wb = start_wandb(cfg, run_dir) if step < total and d.main else None
     lengths, order, seen = feats.lengths().clamp(max=cfg.data.max_seq_tokens), None, None
     while step < total and (cfg.max_train_tokens is None or trained < cfg.max_train_tokens):
         epoch, within = divmod(step, per_epoch)
         if epoch != seen:
             seen, order = epoch, sequence_order(cfg.seed, epoch, lengths, cfg.batch_size if cfg.group_by_length else 0)
-        pick = order[within * cfg.batch_size: (within + 1) * cfg.batch_size].tolist()
+        pick = order[within * cfg.batch_size: (within + 1) * cfg.batch_size].tolist()[d.rank:: d.world]
         start = time.perf_counter()
         head.train()
+        batch = [x.to(d.device) for x in feats.batch(pick, cfg.data.max_seq_tokens)]
+        counts = d.all_reduce(step_counts(batch[2], batch[4], cfg.loss.unroll)) if d.world > 1 else None
         with autocast:
-            loss, stats = head_loss(head, cfg, *feats.batch(pick, cfg.data.max_seq_tokens), full_to_draft)
+            loss, stats = head_loss(head, cfg, *batch, full_to_draft, counts=counts)
         stepper.backward(loss)
         stepper.step()
+        if d.world > 1:  # the whole batch's loss and hits, for the log
+            n = len(stats)
+            total_stats = d.all_reduce(torch.tensor([float(loss.detach())] + [float(c) for c, _ in stats]
+                                                    + [float(m) for _, m in stats], dtype=torch.float64))
+            loss = total_stats[0]
+            stats = [(int(total_stats[1 + j]), int(total_stats[1 + n + j])) for j in range(n)]
         step, trained = step + 1, trained + stats[0][1]
-        row = _log(cfg, step, total, loss, stepper.lr(), trained, stats, time.perf_counter() - start)
+        row = _log(cfg, step, total, loss, stepper.lr(), trained, stats, time.perf_counter() - start, d.main)
         history.append({"step": step, "loss": row["loss"], "trained_tokens": trained})
         if wb is not None:
             wb.log(row, step=step)
         if step % cfg.checkpoint_every == 0 or step == total:
-            _save(run_dir, head, stepper, meta, step, trained, history, cfg.keep_checkpoints)
+            _save(run_dir, head, stepper, meta, step, trained, history, cfg.keep_checkpoints, d)
+        fault_injection(step)
     if wb is not None:
         wb.finish()
     return step, trained
 
 
 def _log(cfg: FeatureTrainConfig, step: int, total: int, loss: torch.Tensor, lr: float, trained: int,
-         stats: list, seconds: float) -> dict:
+         stats: list, seconds: float, show: bool = True) -> dict:
     row = {"step": step, "loss": float(loss.detach()), "lr": lr, "trained_tokens": trained,
            "tokens_per_s": stats[0][1] / max(seconds, 1e-9),
            **{f"step{j}/top1": c / max(m, 1) for j, (c, m) in enumerate(stats)}}
-    if step % cfg.log_every == 0 or step == 1:
+    if show and (step % cfg.log_every == 0 or step == 1):
         accs = " ".join(f"{row[f'step{j}/top1']:.3f}" for j in range(len(stats)))
         print(f"step {step}/{total} loss {row['loss']:.4f} top1 [{accs}] tokens {trained} "
               f"{row['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
     return row
 
 
-def _save(run_dir: Path, head, stepper: Stepper, meta, step: int, trained: int, history: list, keep: int) -> None:
+def _save(run_dir: Path, head, stepper: Stepper, meta, step: int, trained: int, history: list, keep: int,
+          d: Dist | None = None) -> None:
+    """A checkpoint written by rank 0 (with DeepSpeed, every process adds its optimizer partition)."""
+    d = d or Dist()
+    sharded = stepper.engine is not None
+
     def fill(tmp: Path) -> None:
         head.save(tmp / "head")
-        torch.save({"step": step, "trained": trained, **stepper.state(), "rng": ckpt.rng_state(),
-                    "history": history}, tmp / ckpt.STATE)
+        optimizer = {} if sharded else stepper.state()
+        torch.save({"step": step, "trained": trained, **optimizer, "rng": ckpt.rng_state(), "history": history,
+                    "processes": d.world}, tmp / ckpt.STATE)
 
-    ckpt.save_checkpoint(run_dir / "checkpoints", step, meta, fill, keep)
+    if sharded:
+        ckpt.save_sharded(run_dir / "checkpoints", d, stepper.engine, step, meta, fill, keep, {"step": step})
+    elif d.main:
+        ckpt.save_checkpoint(run_dir / "checkpoints", step, meta, fill, keep)
+    d.barrier()
 
 
 def resume_point(run_dir: Path, resume_from: str | None) -> Path | None:
@@ -355,17 +432,39 @@ def resume_point(run_dir: Path, resume_from: str | None) -> Path | None:
     return found
 
 
-def _resume(path: Path | None, head, stepper: Stepper, meta) -> tuple[int, int, list]:
+def _resume(path: Path | None, head, stepper: Stepper, meta, d: Dist | None = None) -> tuple[int, int, list]:
+    """Load checkpoint `path` into the head and the optimizer. A checkpoint of a run without DeepSpeed holds
+    the whole optimizer and resumes at any process count; one with DeepSpeed's partitions (`ds/`) resumes
+    under DeepSpeed, and elsewhere, or where DeepSpeed cannot read it, with fresh optimizer moments (said)."""
     from safetensors.torch import load_file
 
+    d = d or Dist()
     if path is None:
         return 0, 0, []
     ckpt.check_meta(path, meta)
     head.load_state_dict(load_file(str(path / "head" / "feature_head.safetensors")), strict=False)
     st = torch.load(path / ckpt.STATE, map_location="cpu", weights_only=False)
-    stepper.load_state(st)
+    fresh = None
+    if stepper.engine is not None:
+        try:
+            if not (path / "ds").is_dir():
+                raise MedusaError("it holds no DeepSpeed optimizer partitions")
+            stepper.engine.load_checkpoint(str(path), tag="ds", load_module_strict=False)
+        except Exception as exc:  # another process count, another ZeRO stage, a checkpoint without DeepSpeed
+            fresh = str(exc).splitlines()[0][:200]
+    elif "optimizer" in st:
+        stepper.load_state(st)
+    else:
+        fresh = "it was saved by DeepSpeed (optimizer partitions), and this run does not use DeepSpeed"
+    if fresh is not None:
+        stepper.sched.last_epoch = int(st["step"]) - 1  # the schedule continues where it was
+        stepper.sched.step()
+        if d.main:
+            print(f"resuming {path}: optimizer moments start fresh ({fresh})", file=sys.stderr)
     ckpt.set_rng_state(st["rng"])
-    print(f"resumed from {path} (step {st['step']})", file=sys.stderr)
+    if d.main:
+        print(f"resumed from {path} (step {st['step']}, saved by {st.get('processes', 1)} process(es), "
+              f"now {d.world})", file=sys.stderr)
     return int(st["step"]), int(st["trained"]), list(st.get("history", []))
 
 

@@ -68,6 +68,10 @@ class Features:
         """Positions with a label (t + 2 is an answer token)."""
         return sum(int(self.answer[self.seq(i)][2:].sum()) for i in range(len(self)))
 
+    def answer_tokens(self) -> torch.Tensor:
+        """Every answer token of every sequence (what the draft vocabulary is chosen from)."""
+        return self.tokens[self.answer]
+
     @classmethod
     def cat(cls, parts: list["Features"]) -> "Features":
         offs, base = [torch.zeros(1, dtype=torch.long)], 0
@@ -111,6 +115,37 @@ class Features:
             top[r, :n] = self.top[s.start: s.start + n]
             valid[r, :n] = True
         return f, tok, ans, top, valid
+
+
+class OnlineFeatures:
+    """`features: online`: the same interface as `Features`, but a batch's features come from running the
+    frozen target on its sequences when the batch is drawn, inside the training step; nothing is cached.
+    They are rounded to bf16 as cached ones are, so a run trains alike in both modes (up to the batch
+    shapes the target runs at)."""
+
+    def __init__(self, examples: list[dict], fn, device: torch.device | str = "cpu"):
+        self.examples, self.fn, self.device = examples, fn, torch.device(device)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor([len(e["input_ids"]) for e in self.examples])
+
+    def positions(self) -> int:
+        return sum(sum(e["loss_mask"][2:]) for e in self.examples)
+
+    def answer_tokens(self) -> torch.Tensor:
+        return torch.tensor([t for e in self.examples for t, m in zip(e["input_ids"], e["loss_mask"]) if m],
+                            dtype=torch.long)
+
+    @torch.no_grad()
+    def batch(self, pick: list[int], max_len: int) -> tuple[torch.Tensor, ...]:
+        chunk = [{k: self.examples[i][k][:max_len] for k in ("input_ids", "loss_mask")} for i in pick]
+        padded = {k: v.to(self.device) for k, v in pad_batch(chunk).items()}
+        feats, top = self.fn(padded)
+        return (feats.to(torch.bfloat16).float(), padded["input_ids"], padded["loss_mask"].bool(), top,
+                padded["attention_mask"].bool())
 
 
 def sequence_order(seed: int, epoch: int, lengths: torch.Tensor, group: int = 0, window: int = 64) -> torch.Tensor:

@@ -39,16 +39,22 @@ def adamw(cfg, groups: list[dict], total: int):
 
 
 class Stepper:
-    """Wraps DDP / DeepSpeed / plain optimizer stepping behind one interface."""
+    """Wraps DDP / DeepSpeed / plain optimizer stepping behind one interface.
 
-    def __init__(self, cfg, d: Dist, module: torch.nn.Module, groups: list[dict], total: int):
+    `ddp=False` (several processes without DeepSpeed): no DDP wrapper; `step` sums the gradients over the
+    processes itself. For a loss whose forward is not one call of the module (a feature head unrolled over
+    its own outputs), where DDP's hooks would not see the whole backward. The loss must then be normalised
+    by global counts: the summed gradients are the gradient one process computes over the whole batch."""
+
+    def __init__(self, cfg, d: Dist, module: torch.nn.Module, groups: list[dict], total: int, ddp: bool = True):
         self.cfg, self.d = cfg, d
         self.opt, self.sched = adamw(cfg, groups, total)
         self.engine = None
         self.model = module
-        if d.world > 1 and cfg.deepspeed:
+        self.sum_grads = d.world > 1 and not getattr(cfg, "deepspeed", None) and not ddp
+        if d.world > 1 and getattr(cfg, "deepspeed", None):
             self._deepspeed(module)
-        elif d.world > 1:
+        elif d.world > 1 and ddp:
             ids = [d.device.index] if d.device.type == "cuda" else None
             self.model = torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, find_unused_parameters=True)
 
@@ -57,7 +63,7 @@ class Stepper:
 
         cfg = self.cfg
         ds_cfg = json.loads(Path(cfg.deepspeed).read_text())
-        ds_cfg["gradient_accumulation_steps"] = cfg.grad_accum
+        ds_cfg["gradient_accumulation_steps"] = getattr(cfg, "grad_accum", 1)
         ds_cfg["train_micro_batch_size_per_gpu"] = max(1, cfg.batch_size // self.d.world)
         ds_cfg.pop("train_batch_size", None)
         ds_cfg["gradient_clipping"] = cfg.optim.grad_clip
@@ -73,14 +79,23 @@ class Stepper:
         if self.engine is not None:
             # DeepSpeed divides by its accumulation count and counts micro-steps itself: step() after each
             # backward, the optimizer moves only at the accumulation boundary.
-            self.engine.backward(loss * scale * self.cfg.grad_accum)
+            self.engine.backward(loss * scale * getattr(self.cfg, "grad_accum", 1))
             self.engine.step()
+        elif self.sum_grads:
+            loss.backward()  # summed over the processes in step()
         else:
             (loss * scale).backward()
 
     def step(self) -> None:
         if self.engine is not None:
             return  # stepped in backward()
+        if self.sum_grads:
+            params = [p for g in self.opt.param_groups for p in g["params"] if p.requires_grad]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.flatten() for g in grads])
+            self.d.all_reduce(flat)  # one message for every gradient
+            for p, g in zip(params, flat.split([q.numel() for q in params])):
+                p.grad = g.view_as(p).clone()
         if self.cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_([p for g in self.opt.param_groups for p in g["params"]],
                                            self.cfg.optim.grad_clip)

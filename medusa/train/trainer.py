@@ -139,13 +139,13 @@ def train_heads(run: Run, groups: list[tuple[str, list[dict]]], eval_only: bool)
         logger.log(step, agg, stepper.lr(), batch.positions, seconds)
         if step % run.cfg.checkpoint_every == 0 or step == total:
             ckpt.save(run, stepper, step)
-        _fault_injection(step)
+        fault_injection(step)
     logger.close()
     return {"step": step, "total": total, "history": run.history, "table_seconds": table_seconds,
             "train_seconds": train_seconds, "trained_positions": trained}
 
 
-def _fault_injection(step: int) -> None:
+def fault_injection(step: int) -> None:
     """MEDUSA_TRAIN_KILL_AFTER_STEP=N: SIGKILL this process after step N (how the resume test crashes)."""
     if os.environ.get("MEDUSA_TRAIN_KILL_AFTER_STEP") == str(step):
         import signal

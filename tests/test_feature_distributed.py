@@ -1,0 +1,119 @@
+"""`medusa train-feature` in two processes (torchrun, and the deepspeed launcher with ZeRO-2) makes the
+head one process makes, and a checkpoint resumes at another process count."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from train_helpers import fake_distilled, save_tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+# No input noise: the processes draw it for their own sequences, so with it the runs differ by those draws.
+RUN = {"dtype": "fp32", "threads": 1, "head": {"draft_vocab": 48}, "loss": {"unroll": 2, "noise": 0.0},
+       "optim": {"lr": 0.003, "warmup_steps": 2}, "batch_size": 4, "chunk": 8, "max_steps": 6,
+       "checkpoint_every": 3, "keep_checkpoints": 4, "precision": "fp32", "wandb": {"mode": "disabled"}}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The tiny target, its distilled answers, and the head one process trains on them."""
+    from medusa.train.feature import load_feature_config, run_feature_training
+
+    root = tmp_path_factory.mktemp("feature-dist")
+    model = save_tiny_model(root / "model")
+    data = fake_distilled(root / "data", model, n=16, answer_len=16)
+    result = run_feature_training(load_feature_config(_config(root, model, data, "one")), progress=False)
+    assert result["step"] == 6
+    return root, model, data
+
+
+def _config(root: Path, model: Path, data: Path, name: str, **extra) -> Path:
+    cfg = {**RUN, "model": str(model), "run_dir": str(root / name),
+           "data": {"sources": ["sharegpt"], "distill_dir": str(data), "use": "distilled", "eval_fraction": 0.2},
+           **extra}
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _run(cmd: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           **(env_extra or {})}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+
+
+def _torchrun(config: Path, procs: int, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}",
+                 f"--master_port={_free_port()}", "-m", "medusa.cli", "train-feature", "--config", str(config),
+                 "--no-progress"], env_extra)
+
+
+def _same_head(a: Path, b: Path, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    import torch
+
+    x, y = (load_file(str(p / "feature_head.safetensors")) for p in (a, b))
+    assert x.keys() == y.keys()
+    for k in x:
+        assert torch.allclose(x[k].float(), y[k].float(), rtol=rtol, atol=atol), k
+    # ...and training moved them: the two runs agree on a trained head, not on an untouched one.
+    first = load_file(str(a.parent / "checkpoints" / "step-00000003" / "head" / "feature_head.safetensors"))
+    assert any(not torch.equal(first[k], x[k]) for k in x if x[k].is_floating_point())
+
+
+def test_torchrun_two_processes_make_the_head_one_makes(one_process):
+    root, model, data = one_process
+    proc = _torchrun(_config(root, model, data, "two"), 2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "training in 2 processes" in out
+    # Both processes extracted features: the chunks are shared out, each cached once.
+    assert len(list((root / "two" / "features").glob("*.safetensors"))) == 2
+    _same_head(root / "one" / "head", root / "two" / "head")
+
+
+def test_a_two_process_checkpoint_resumes_in_one_process(one_process):
+    """Killed after step 3 of 6 in two processes, finished in one: the head of the uninterrupted run."""
+    from medusa.train.feature import load_feature_config, run_feature_training
+
+    root, model, data = one_process
+    config = _config(root, model, data, "cut")
+    proc = _torchrun(config, 2, {"MEDUSA_TRAIN_KILL_AFTER_STEP": "3"})
+    assert proc.returncode != 0 and (root / "cut" / "checkpoints" / "step-00000003").is_dir()
+    assert not (root / "cut" / "head").exists()
+    result = run_feature_training(load_feature_config(config), progress=False)
+    assert result["step"] == 6 and result["processes"] == 1
+    _same_head(root / "one" / "head", root / "cut" / "head")
+
+
+def test_deepspeed_launcher_with_zero2_makes_the_same_head(one_process):
+    root, model, data = one_process
+    config = _config(root, model, data, "ds")
+    launcher = Path(sys.executable).parent / "deepspeed"
+    proc = _run([str(launcher), "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "medusa.cli",
+                 "train-feature", "--config", str(config), "--no-progress",
+                 "--deepspeed", str(REPO / "configs" / "deepspeed" / "zero2.json")])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "training in 2 processes" in out and (root / "ds" / "checkpoints" / "step-00000006" / "ds").is_dir()
+    _same_head(root / "one" / "head", root / "ds" / "head", rtol=1e-3, atol=1e-4)
+
+
+def test_a_batch_smaller_than_the_processes_is_refused(one_process):
+    root, model, data = one_process
+    proc = _torchrun(_config(root, model, data, "small", batch_size=1), 2)
+    assert proc.returncode == 2 and "batch_size: 1 sequences cannot be shared by 2 processes" in proc.stderr
