@@ -116,4 +116,16 @@ def test_deepspeed_launcher_with_zero2_makes_the_same_head(one_process):
 def test_a_batch_smaller_than_the_processes_is_refused(one_process):
     root, model, data = one_process
     proc = _torchrun(_config(root, model, data, "small", batch_size=1), 2)
-    assert proc.returncode == 2 and "batch_size: 1 sequences cannot be shared by 2 processes" in proc.stderr
+    # Each process exits with status 2 and the key named (torchrun itself then exits 1).
+    assert proc.returncode != 0 and "batch_size: 1 sequences cannot be shared by 2 processes" in proc.stderr
+    assert "Traceback" not in proc.stderr.split("batch_size: 1")[0]
+
+
+def test_online_features_cache_nothing_and_train_the_cached_features_head(one_process):
+    """`features: online` runs the target in each step (here in two processes) and ends on the head the
+    cached features give, up to the target's batch shapes (fp32 sums in other orders)."""
+    root, model, data = one_process
+    proc = _torchrun(_config(root, model, data, "online", features="online"), 2)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert not (root / "online" / "features").exists()
+    _same_head(root / "one" / "head", root / "online" / "head", rtol=1e-3, atol=1e-4)
