@@ -17,6 +17,14 @@ def add_parser(subparsers) -> None:
                    "data sections are used)")
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. data.limit=256 (repeatable)")
+    d.add_argument("--server", default=None, metavar="URL",
+                   help="ask this OpenAI-compatible server (vLLM, SGLang, llama.cpp, TGI, medusa serve) for the "
+                        "answers instead of running the target here; the config's model gives the tokenizer")
+    d.add_argument("--concurrency", type=int, default=8, help="with --server: requests in flight (default 8)")
+    d.add_argument("--server-model", default=None, help="with --server: the model id to request (default: the "
+                                                         "first the server lists)")
+    d.add_argument("--api-key", default=None, help="with --server: sent as a bearer token (default: "
+                                                    "$OPENAI_API_KEY, else none)")
     d.add_argument("--no-progress", action="store_true")
     # Launchers (deepspeed) may pass this; the device comes from LOCAL_RANK (medusa.train.dist.rank_device).
     d.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -118,7 +126,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
         # Distillation runs in one process; under a launcher the other ranks would repeat its work.
         print(f"medusa distill: rank {os.environ['RANK']} has nothing to do (rank 0 distils)", file=sys.stderr)
         return 0
-    out = run_distill(cfg, show_progress=not args.no_progress)
+    if args.server is None and (args.server_model or args.api_key):
+        raise MedusaError("--server-model and --api-key go with --server")
+    out = run_distill(cfg, show_progress=not args.no_progress, server=args.server, concurrency=args.concurrency,
+                      api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), server_model=args.server_model)
     print(f"distilled dataset: {out}")
     return 0
 

@@ -124,10 +124,13 @@ def answer_all(engine, prompts: list[list[int]], max_new_tokens: int, batch_size
     return [results[i] for i in range(len(prompts))]
 
 
-def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True) -> Path:
+def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True, server: str | None = None,
+                concurrency: int = 8, api_key: str | None = None, server_model: str | None = None) -> Path:
     """Distil every missing shard; returns the dataset directory. The prompts of all missing shards share
     one continuously refilled batch (no shard waits for its slowest answer before the next starts); a shard
-    is written as soon as its last answer is in."""
+    is written as soon as its last answer is in. With `server` (an OpenAI-compatible URL) the answers come
+    from there, `concurrency` requests at a time (`medusa.train.distill_server`), and only the target's
+    tokenizer is loaded here."""
     from datasets import Dataset
     from tqdm import tqdm
 
@@ -143,8 +146,18 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True) -> P
     if meta_path.exists():  # the dtype it was started in stays; each shard records its own
         meta["dtype"] = json.loads(meta_path.read_text()).get("dtype", cfg.dtype)
     write_json_atomic(meta_path, meta)
-    rt = runtime or Runtime.load(cfg.model, heads="none", dtype=cfg.dtype)
-    prompts = select_prompts(cfg, rt.tokenizer)
+    if server is None:
+        rt = runtime or Runtime.load(cfg.model, heads="none", dtype=cfg.dtype)
+        tokenizer = rt.tokenizer
+    else:
+        from transformers import AutoTokenizer
+
+        from medusa.decoding.model import resolve_model_dir
+        from medusa.train.distill_server import served_model
+
+        rt, tokenizer = None, AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model))
+        server_model = served_model(server, api_key, server_model)
+    prompts = select_prompts(cfg, tokenizer)
     if not prompts:
         raise MedusaError("data.sources: no prompt fits data.max_prompt_tokens")
     size = cfg.data.shard_size
@@ -155,8 +168,11 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True) -> P
     flat = [(i, k) for i, chunk in todo for k in range(len(chunk))]  # (shard, index in it) per prompt
     chunks = dict(todo)
     answers: dict[int, dict[int, object]] = {i: {} for i, _ in todo}
-    batch_size = distill_batch_size(cfg, rt, len(prompts))
-    made = {"dtype": cfg.dtype, "machine": rt.machine.describe()}
+    if server is None:
+        batch_size = distill_batch_size(cfg, rt, len(prompts))
+        made = {"dtype": cfg.dtype, "machine": rt.machine.describe()}
+    else:
+        made = {"server": server, "served_model": server_model, "concurrency": concurrency}
     started = time.monotonic()
     bar = tqdm(total=len(flat) * cfg.data.max_new_tokens, unit="tok", desc=f"distill {len(todo)}/{len(shards)} shards",
                disable=not show_progress)
@@ -169,12 +185,23 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True) -> P
             got = [answers[shard][k] for k in range(len(chunk))]
             del answers[shard]
             rows = {"prompt": [p for p, _ in chunk], "prompt_ids": [ids for _, ids in chunk],
-                    "response_ids": [g.tokens for g in got], "response": [rt.decode(g.tokens) for g in got],
+                    "response_ids": [g.tokens for g in got],
+                    "response": [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in got],
                     "finish_reason": [g.reason for g in got]}
             _save_shard(Dataset.from_dict(rows), out / f"shard-{shard:05d}",
                         {**made, "seconds_since_start": round(time.monotonic() - started, 1)})
 
-    answer_all(rt.engine, [chunks[i][k][1] for i, k in flat], cfg.data.max_new_tokens, batch_size, bar, finished)
+    if server is None:
+        answer_all(rt.engine, [chunks[i][k][1] for i, k in flat], cfg.data.max_new_tokens, batch_size, bar, finished)
+    else:
+        from medusa.train.distill_server import answer_all_served
+
+        try:
+            answer_all_served(server, server_model, [chunks[i][k][0] for i, k in flat], cfg.data.max_new_tokens,
+                              tokenizer, concurrency, finished, bar, api_key)
+        finally:
+            bar.close()
+        return out
     bar.close()
     return out
 
