@@ -80,23 +80,28 @@ def test_torchrun_two_processes_make_the_head_one_makes(one_process):
     proc = _torchrun(_config(root, model, data, "two"), 2)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert "training in 2 processes" in out
+    assert "training in 2 processes (world size 2" in out
     # Both processes extracted features: the chunks are shared out, each cached once.
     assert len(list((root / "two" / "features").glob("*.safetensors"))) == 2
     _same_head(root / "one" / "head", root / "two" / "head")
 
 
-def test_a_two_process_checkpoint_resumes_in_one_process(one_process):
-    """Killed after step 3 of 6 in two processes, finished in one: the head of the uninterrupted run."""
+def test_a_two_process_run_killed_between_checkpoints_resumes_in_one_process(one_process):
+    """SIGKILLed in two processes after step 4 of 6 (its last checkpoint: step 3), finished in one process:
+    the head of the uninterrupted one-process run."""
+    import torch
+
     from medusa.train.feature import load_feature_config, run_feature_training
 
     root, model, data = one_process
     config = _config(root, model, data, "cut")
-    proc = _torchrun(config, 2, {"MEDUSA_TRAIN_KILL_AFTER_STEP": "3"})
+    proc = _torchrun(config, 2, {"MEDUSA_TRAIN_KILL_AFTER_STEP": "4"})
     assert proc.returncode != 0 and (root / "cut" / "checkpoints" / "step-00000003").is_dir()
-    assert not (root / "cut" / "head").exists()
+    assert not (root / "cut" / "checkpoints" / "step-00000004").exists() and not (root / "cut" / "head").exists()
+    saved = torch.load(root / "cut" / "checkpoints" / "step-00000003" / "trainer_state.pt", weights_only=False)
+    assert saved["world_size"] == 2
     result = run_feature_training(load_feature_config(config), progress=False)
-    assert result["step"] == 6 and result["processes"] == 1
+    assert result["step"] == 6 and result["world_size"] == 1
     _same_head(root / "one" / "head", root / "cut" / "head")
 
 
@@ -129,3 +134,32 @@ def test_online_features_cache_nothing_and_train_the_cached_features_head(one_pr
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert not (root / "online" / "features").exists()
     _same_head(root / "one" / "head", root / "online" / "head", rtol=1e-3, atol=1e-4)
+
+
+def test_online_and_cached_features_give_the_same_loss_on_the_same_batch(one_process):
+    import torch
+
+    from medusa.decoding.model import load_target
+    from medusa.train.data import load_examples, split_groups
+    from medusa.train.feature import (_make_head, chunk_groups, head_loss, load_feature_config,
+                                      training_features)
+    from medusa.train.feature_data import OnlineFeatures, feature_fn
+    from medusa.train import checkpoint as ckpt
+
+    root, model, data = one_process
+    cfg = load_feature_config(_config(root, model, data, "one"))  # its features are cached already
+    hf, tok = load_target(cfg.model, "fp32", "cpu")
+    groups, _ = split_groups(cfg, chunk_groups(cfg, load_examples(cfg, tok)))
+    fn = feature_fn(hf, [])
+    cached = training_features(cfg, groups, ckpt.base_fingerprint(hf, cfg.model), fn, False)
+    online = OnlineFeatures([e for _, exs in groups for e in exs], fn)
+    head, full_to_draft = _make_head(cfg, hf, cached, None)
+    pick = [0, 3, 5, 6]
+    a, b = cached.batch(pick, 64), online.batch(pick, 64)
+    valid = a[4]
+    assert torch.equal(valid, b[4]) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+    assert torch.equal(a[3][valid], b[3][valid])  # the target's greedy tokens (padding: anything)
+    assert torch.allclose(a[0][valid], b[0][valid], atol=2e-2)  # bf16 features of differently padded passes
+    la, _ = head_loss(head, cfg, *a, full_to_draft, noise=False)
+    lb, _ = head_loss(head, cfg, *b, full_to_draft, noise=False)
+    assert torch.allclose(la, lb, rtol=1e-3)

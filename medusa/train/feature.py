@@ -263,7 +263,8 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
         raise MedusaError(f"batch_size: {cfg.batch_size} sequences cannot be shared by {d.world} processes; "
                           f"use at least {d.world}")
     if d.world > 1 and d.main:
-        print(f"training in {d.world} processes (rank 0 on {d.device})", file=sys.stderr, flush=True)
+        print(f"training in {d.world} processes (world size {d.world}, rank 0 on {d.device})", file=sys.stderr,
+              flush=True)
     hf, tokenizer = load_target(cfg.model, cfg.dtype, d.device)
     hf.eval().requires_grad_(False)
     train_groups, held = split_groups(cfg, chunk_groups(cfg, load_examples(cfg, tokenizer)))
@@ -301,7 +302,7 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
     atomic_dir(out, fill)
     d.barrier()
     return {"run_dir": str(Path(cfg.run_dir)), "head_dir": str(out), "step": step, "trained_tokens": trained,
-            "train_seconds": train_seconds, "eval": report, "processes": d.world}
+            "train_seconds": train_seconds, "eval": report, "world_size": d.world}
 
 
 def evaluate_saved(cfg: FeatureTrainConfig, head_dir: str | Path) -> dict:
@@ -407,7 +408,7 @@ def _save(run_dir: Path, head, stepper: Stepper, meta, step: int, trained: int, 
         head.save(tmp / "head")
         optimizer = {} if sharded else stepper.state()
         torch.save({"step": step, "trained": trained, **optimizer, "rng": ckpt.rng_state(), "history": history,
-                    "processes": d.world}, tmp / ckpt.STATE)
+                    "world_size": d.world}, tmp / ckpt.STATE)
 
     if sharded:
         ckpt.save_sharded(run_dir / "checkpoints", d, stepper.engine, step, meta, fill, keep, {"step": step})
@@ -463,8 +464,8 @@ def _resume(path: Path | None, head, stepper: Stepper, meta, d: Dist | None = No
             print(f"resuming {path}: optimizer moments start fresh ({fresh})", file=sys.stderr)
     ckpt.set_rng_state(st["rng"])
     if d.main:
-        print(f"resumed from {path} (step {st['step']}, saved by {st.get('processes', 1)} process(es), "
-              f"now {d.world})", file=sys.stderr)
+        print(f"resumed from {path} (step {st['step']}, world size {st.get('world_size', 1)} then, "
+              f"{d.world} now)", file=sys.stderr)
     return int(st["step"]), int(st["trained"]), list(st.get("history", []))
 
 

@@ -50,7 +50,8 @@ def run_training(cfg: TrainConfig, eval_only: bool = False, prepare_only: bool =
     d = init_dist(bool(cfg.deepspeed))
     hf_model, tokenizer = load_target(cfg.model, cfg.dtype, d.device)
     if d.world > 1 and d.main:
-        print(f"training in {d.world} processes (rank 0 on {d.device})", file=sys.stderr, flush=True)
+        print(f"training in {d.world} processes (world size {d.world}, rank 0 on {d.device})", file=sys.stderr,
+              flush=True)
     run = make_run(cfg, d, hf_model, tokenizer)
     train_groups, eval_ex = split_groups(cfg, load_examples(cfg, tokenizer))
     if prepare_only:
