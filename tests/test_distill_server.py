@@ -52,3 +52,32 @@ def test_no_server_there_is_one_clear_error(tmp_path, capsys):
     assert rc == 2 and "--server: cannot list the models of" in err and "Traceback" not in err
     assert main(["distill", "--config", _config(tmp_path, 3), "--server", "ftp://x", "--no-progress"]) == 2
     assert "is not an http(s) URL" in capsys.readouterr().err
+
+
+def test_a_server_with_another_tokenizer_is_refused(rt, tmp_path, capsys):
+    from train_helpers import save_tiny_model
+
+    other = save_tiny_model(tmp_path / "word-level")  # a target whose tokenizer is not the served one's
+    cfg = yaml.safe_load(open(_config(tmp_path, 3)))
+    cfg["model"] = str(other)
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(cfg))
+    with serve(rt, policy={"mode": "plain"}) as url:
+        rc = main(["distill", "--config", str(tmp_path / "other.yaml"), "--server", url, "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not tokenise as the target does" in err and "'default'" in err
+    assert not list((tmp_path / "distilled").glob("shard-*"))
+
+
+def test_the_embedded_model_served_gives_the_tokens_of_in_process_distillation(embedded, tmp_path):
+    """fp32, greedy, served with the default (speculating) policy: the same token ids as distilling here."""
+    from medusa.train.config import load_config
+    from medusa.train.distill import run_distill
+
+    path = _config(tmp_path, 3)
+    here = load_config(path, ["data.distill_dir=" + str(tmp_path / "here")])
+    run_distill(here, runtime=embedded, show_progress=False)
+    with serve(embedded, policy={"mode": "dynamic"}) as url:
+        run_distill(load_config(path), show_progress=False, server=url, concurrency=2)
+    a, b = load_distilled(tmp_path / "here"), load_distilled(tmp_path / "distilled")
+    assert a["prompt_ids"] == b["prompt_ids"] and a["finish_reason"] == b["finish_reason"]
+    assert a["response_ids"] == b["response_ids"] and all(len(r) >= 3 for r in a["response_ids"])

@@ -160,6 +160,10 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True, serv
     prompts = select_prompts(cfg, tokenizer)
     if not prompts:
         raise MedusaError("data.sources: no prompt fits data.max_prompt_tokens")
+    if server is not None:
+        from medusa.train.distill_server import check_same_tokenizer
+
+        check_same_tokenizer(server, server_model, tokenizer, *prompts[0], api_key)
     size = cfg.data.shard_size
     shards = [(i, prompts[s: s + size]) for i, s in enumerate(range(0, len(prompts), size))]
     todo = [(i, chunk) for i, chunk in shards if _shard_count(out / f"shard-{i:05d}") != len(chunk)]

@@ -48,6 +48,34 @@ def served_model(url: str, api_key: str | None = None, name: str | None = None) 
     return models[0]["id"]
 
 
+def check_same_tokenizer(url: str, model: str, tokenizer, prompt: str, prompt_ids: list[int],
+                         api_key: str | None = None, slack: int = 3) -> None:
+    """Refuse a server whose model does not tokenise as the target does (another model, another
+    tokenizer): one short greedy answer to `prompt`, whose token counts the server reports (`usage`), must
+    match what the target's tokenizer makes of the same chat and answer, within `slack` tokens."""
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 24,
+            "temperature": 0}
+    try:
+        r = httpx.post(f"{base_url(url)}/v1/chat/completions", json=body, headers=_headers(api_key), timeout=TIMEOUT_S)
+        r.raise_for_status()
+        data = r.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise MedusaError(f"--server: {url} did not answer a probe prompt: {exc}") from None
+    usage = data.get("usage") or {}
+    text = (data["choices"][0]["message"].get("content") or "")
+    ours = (len(prompt_ids), len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    theirs = (usage.get("prompt_tokens"), usage.get("completion_tokens"))
+    if None in theirs:
+        return  # a server that reports no usage cannot be checked this way
+    if abs(theirs[0] - ours[0]) > slack or abs(theirs[1] - ours[1]) > slack:
+        raise MedusaError(f"--server: {url} serves {model!r}, which does not tokenise as the target does: a probe "
+                          f"chat is {theirs[0]} prompt + {theirs[1]} answer tokens there and {ours[0]} + {ours[1]} "
+                          "with the target's tokenizer; serve the target, or set the config's model to the "
+                          "served one")
+
+
 def _headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
