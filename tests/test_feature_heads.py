@@ -720,3 +720,22 @@ def test_the_fused_vocabulary_loss_equals_soft_cross_entropy_on_the_logits(preci
     assert torch.allclose(x.grad, ref_x.grad, atol=tol, rtol=tol)
     with pytest.raises(ValueError, match="frozen"):
         DraftVocab(weight.clone().requires_grad_(True))
+
+
+def test_acceptance_is_logged_while_training_and_measured_at_the_end(tiny_run, tmp_path, capsys):
+    """Every eval_every steps: held-out top-1 and the tau it predicts for tau_tree; at the end the same
+    prediction beside tau measured by decoding held-out prompts with the head (what auto mode would see)."""
+    from medusa.train.feature import predicted_tau, run_feature_training
+
+    root, model_dir, data = tiny_run
+    cfg = _feature_config(root, model_dir, data, tmp_path / "acc", max_steps=6, eval_every=2, eval_examples=2,
+                          tau_tree="dynamic-6x3", measure_tau_prompts=3, measure_tau_tokens=10)
+    result = run_feature_training(cfg, progress=False)
+    err = capsys.readouterr().err
+    assert err.count("expected tau (dynamic-6x3)") == 3  # steps 2 and 4, and the end
+    report = result["eval"]
+    assert report["examples"] == 4 and report["expected_tau"]["dynamic-6x3"] == round(
+        predicted_tau("dynamic-6x3", report), 3)
+    assert 1.0 <= report["measured_tau"]["dynamic-6x3"] <= 7.0 and "measured" in err
+    saved = json.loads((tmp_path / "acc" / "head" / "eval.json").read_text())
+    assert saved["measured_tau"] == report["measured_tau"]

@@ -27,7 +27,7 @@ from typing import Iterator, Literal
 import torch
 import torch.nn.functional as F
 import yaml
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from medusa.errors import MedusaError
 from medusa.io import atomic_dir, read_yaml, validate, write_json_atomic
@@ -93,6 +93,25 @@ class FeatureTrainConfig(RunConfig):
     # step on that step's sequences, caching nothing (for targets whose cache would not fit the disk: see
     # docs/feature-heads.md, "Features online or cached").
     features: Literal["offline", "online"] = "offline"
+    # Acceptance while training: every `eval_every` steps (None: at the end only) the held-out rank accuracy
+    # on up to `eval_examples` held-out sequences and the tau it predicts for `tau_tree` (logged to the console
+    # and wandb); at the end, that prediction beside tau measured by decoding `measure_tau_prompts` held-out
+    # prompts (`measure_tau_tokens` new tokens each, greedy, the head drafting `tau_tree`; 0: not measured).
+    eval_every: int | None = Field(default=None, gt=0)
+    eval_examples: int = Field(default=256, gt=0)
+    tau_tree: str = "dynamic-16x5"
+    measure_tau_prompts: int = Field(default=8, ge=0)
+    measure_tau_tokens: int = Field(default=64, gt=0)
+
+    @field_validator("tau_tree")
+    @classmethod
+    def _dynamic(cls, v: str) -> str:
+        from medusa.decoding.dynamic_tree import is_dynamic, parse_shape
+
+        if not is_dynamic(v):
+            raise ValueError(f"{v!r}: feature heads grow dynamic trees (dynamic-N, dynamic-NxD, dynamic-NxDxK)")
+        parse_shape(v)
+        return v
 
 
 def load_feature_config(path: str | Path, overrides: list[str] | None = None) -> FeatureTrainConfig:
@@ -284,13 +303,31 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
     head, full_to_draft = _make_head(cfg, hf, feats, point)
     head, full_to_draft = head.to(d.device), full_to_draft.to(d.device)
     meta = {"base": base, "heads": asdict(head.config) | {"base_model": None}}
+    held_features: list[Features] = []  # the held-out features, extracted on first use and kept
+
+    def acceptance(step: int, examples: int | None) -> dict:
+        if not held_features:
+            held_features.append(extract(held, fn))
+        report = evaluate_head(head, cfg, hf, fn, held, full_to_draft, held_features[0], examples)
+        report["expected_tau"] = {cfg.tau_tree: round(predicted_tau(cfg.tau_tree, report), 3)} if report else {}
+        if report and d.main:
+            print(f"step {step} held-out top-1 [{' '.join(f'{a:.3f}' for a in report['top1'][:cfg.loss.unroll + 1])}] "
+                  f"expected tau ({cfg.tau_tree}) {report['expected_tau'][cfg.tau_tree]:.2f}", file=sys.stderr,
+                  flush=True)
+        return report
+
     t0 = time.perf_counter()
-    step, trained = _train(cfg, head, feats, full_to_draft, meta, point, d)
+    step, trained = _train(cfg, head, feats, full_to_draft, meta, point, d, acceptance if held else None)
     train_seconds = time.perf_counter() - t0
     if not d.main:  # rank 0 measures and writes the head
         d.barrier()
         return {"rank": d.rank, "step": step, "trained_tokens": trained, "train_seconds": train_seconds}
-    report = evaluate_head(head, cfg, hf, fn, held, full_to_draft)
+    report = acceptance(step, None) if held else {}
+    if report and cfg.measure_tau_prompts:
+        report["measured_tau"] = {cfg.tau_tree: round(measure_tau(cfg, hf, tokenizer, head, held), 3)}
+        print(f"tau ({cfg.tau_tree}): expected {report['expected_tau'][cfg.tau_tree]:.2f}, measured "
+              f"{report['measured_tau'][cfg.tau_tree]:.2f} decoding {min(cfg.measure_tau_prompts, len(held))} "
+              f"held-out prompts", file=sys.stderr, flush=True)
     report.update(step=step, trained_tokens=trained, extract_seconds=round(extract_seconds, 1))
     out = Path(cfg.run_dir) / "head"
 
@@ -336,14 +373,15 @@ def step_autocast(precision: str, device: torch.device) -> torch.autocast:
 
 
 def _train(cfg: FeatureTrainConfig, head, feats: Features, full_to_draft: torch.Tensor, meta: dict,
-           point: Path | None, d: Dist | None = None) -> tuple[int, int]:
+           point: Path | None, d: Dist | None = None, acceptance=None) -> tuple[int, int]:
     """Step until max_steps / epochs / max_train_tokens (resuming from checkpoint `point`, if any); returns the
     step reached and the positions trained.
 
     Several processes: every one draws the same global batch of `batch_size` sequences and takes every
     world-th of them; each step's loss is averaged over the whole batch's labels (`step_counts` summed over
     the processes) and the gradients are summed, so N processes make the update one process makes, and a
-    checkpoint (the head, AdamW and the schedule, written by rank 0) resumes at any process count."""
+    checkpoint (the head, AdamW and the schedule, written by rank 0) resumes at any process count.
+    `acceptance(step, examples)`: rank 0's held-out report, every `eval_every` steps (logged to wandb)."""
     d = d or Dist()
     run_dir = Path(cfg.run_dir)
     per_epoch = max(1, len(feats) // cfg.batch_size)
@@ -376,6 +414,12 @@ def _train(cfg: FeatureTrainConfig, head, feats: Features, full_to_draft: torch.
         step, trained = step + 1, trained + stats[0][1]
         row = _log(cfg, step, total, loss, stepper.lr(), trained, stats, time.perf_counter() - start, d.main)
         history.append({"step": step, "loss": row["loss"], "trained_tokens": trained})
+        if acceptance is not None and cfg.eval_every and step % cfg.eval_every == 0 and step < total and d.main:
+            report = acceptance(step, cfg.eval_examples)
+            head.train()
+            if report:
+                row.update({"eval/expected_tau": report["expected_tau"][cfg.tau_tree],
+                            **{f"eval/step{j}/top1": a for j, a in enumerate(report["top1"])}})
         if wb is not None:
             wb.log(row, step=step)
         if step % cfg.checkpoint_every == 0 or step == total:
@@ -469,32 +513,65 @@ def _resume(path: Path | None, head, stepper: Stepper, meta, d: Dist | None = No
     return int(st["step"]), int(st["trained"]), list(st.get("history", []))
 
 
+def predicted_tau(tree: str, report: dict) -> float:
+    """The tokens per step a `tree` (dynamic-N[xD[xK]]) of this head is expected to accept, from its
+    held-out rank accuracies (what auto mode plans with)."""
+    from medusa.decoding.dynamic_tree import parse_shape
+    from medusa.decoding.feature_proposer import expected_tau_dynamic
+
+    return expected_tau_dynamic(parse_shape(tree), report["rank_accuracy"])
+
+
 @torch.no_grad()
-def evaluate_head(head, cfg: FeatureTrainConfig, hf, fn, held: list[dict], full_to_draft: torch.Tensor) -> dict:
+def measure_tau(cfg: FeatureTrainConfig, hf, tokenizer, head, held: list[dict]) -> float:
+    """Tokens per step when the head drafts `cfg.tau_tree` for the target, greedy, over the first
+    `measure_tau_prompts` held-out prompts (`measure_tau_tokens` new tokens each)."""
+    from medusa.decoding.engine import Engine
+    from medusa.decoding.transformer import Transformer
+    from medusa.runtime.feature import feature_proposer
+    from medusa.runtime.runtime import Runtime, eos_ids
+
+    head.eval()
+    prompts = [e["input_ids"][: e["loss_mask"].index(1)] for e in held[: cfg.measure_tau_prompts] if 1 in e["loss_mask"]]
+    model = Transformer(hf)
+    rt = Runtime(hf, tokenizer, model, Engine(model, eos_ids(hf, tokenizer)), None, feature=head)
+    proposer = feature_proposer(rt, cfg.tau_tree)
+    steps = rows = 0.0
+    for p in prompts:  # one at a time: tau at batch size 1, as the expectation is
+        gen = rt.engine.generate([p], cfg.measure_tau_tokens, proposer)
+        steps += gen.stats.mean_accepted * gen.stats.row_steps
+        rows += gen.stats.row_steps
+    return steps / max(rows, 1)
+
+
+@torch.no_grad()
+def evaluate_head(head, cfg: FeatureTrainConfig, hf, fn, held: list[dict], full_to_draft: torch.Tensor,
+                  feats: Features | None = None, examples: int | None = None) -> dict:
     """Held-out rank accuracy per draft step (step j: the head's own j previous outputs as features), the
-    target's greedy token as the label: rank_accuracy[j][r] = P(label is the head's rank-r token)."""
+    target's greedy token as the label: rank_accuracy[j][r] = P(label is the head's rank-r token).
+    `feats`: the held-out features when already extracted; `examples`: the first that many sequences only."""
     if not held:
         return {}
     head.eval()
-    feats = extract(held, fn)
+    feats = feats if feats is not None else extract(held, fn)
     steps = max(cfg.loss.unroll, cfg.eval_steps)
     k = cfg.eval_topk
     hits = torch.zeros(steps, k)
     counts = torch.zeros(steps)
-    for i in range(len(feats)):
-        f, tok, ans, top, valid = feats.batch([i], cfg.data.max_seq_tokens)
+    for i in range(min(len(feats), examples or len(feats))):
+        f, tok, ans, top, valid = (x.to(full_to_draft.device) for x in feats.batch([i], cfg.data.max_seq_tokens))
         t = f.shape[1]
         if t < 4:
             continue
         emb = head.embed(shifted(tok)).float()
         lab = full_to_draft[shifted(top)]
-        label_ok = torch.zeros(1, t, dtype=torch.bool)
+        label_ok = torch.zeros(1, t, dtype=torch.bool, device=f.device)
         label_ok[:, : t - 2] = ans[:, 2:]
         for j, out, ok in unrolled(head, emb, f[..., : head.config.feature_dim], label_ok, steps):
             ranks = head.logits(out).topk(k, -1).indices  # [1, T, k] draft indices
             hit = (ranks == lab[..., None]) & ok[..., None]
-            hits[j] += hit.float().sum((0, 1))
-            counts[j] += ok.sum()
+            hits[j] += hit.float().sum((0, 1)).cpu()
+            counts[j] += ok.sum().cpu()
     acc = (hits / counts.clamp(min=1)[:, None]).tolist()
-    return {"examples": len(held), "labels_per_step": counts.long().tolist(), "rank_accuracy": acc,
-            "top1": [a[0] for a in acc], "topk_accuracy": [[sum(a[: r + 1]) for r in range(len(a))] for a in acc]}
+    return {"examples": min(len(held), examples or len(held)), "labels_per_step": counts.long().tolist(),
+            "rank_accuracy": acc, "top1": [a[0] for a in acc], "topk_accuracy": [[sum(a[: r + 1]) for r in range(len(a))] for a in acc]}
