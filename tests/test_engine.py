@@ -368,3 +368,24 @@ def test_step_output_reports_accepted_candidates(setup):
     assert out.accepted.tolist() == [3, 0] and out.counts.tolist() == [4, 1]
     assert out.accepted_list == [3, 0] and out.count_list == [4, 1]  # the same, read with the step
     assert out.tokens[0].tolist() == reference[0][1:5] and out.tokens[1, 0] == reference[1][1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_releasing_the_source_weights_changes_no_token(arch):
+    """A process that only decodes through the engine may free the HF model's copies of the projections:
+    the engine's own (fused, packed) weights decode exactly as before."""
+    from conftest import mixed_prompts, tiny_model
+
+    from medusa.decoding.engine import Engine
+    from medusa.decoding.transformer import Transformer
+
+    model = tiny_model(arch, seed=5)
+    tr = Transformer(model)
+    engine = Engine(tr, eos_token_ids=None)
+    prompts = mixed_prompts(3, seed=2)
+    before = [o.tokens for o in engine.generate(prompts, 12).outputs]
+    params = sum(p.numel() for p in model.parameters())
+    freed = tr.release_source_weights(model)
+    attn = model.model.layers[0].self_attn
+    assert freed > 0 and attn.q_proj.weight.numel() == 0 and sum(p.numel() for p in model.parameters()) < params
+    assert [o.tokens for o in engine.generate(prompts, 12).outputs] == before

@@ -124,6 +124,21 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
+    def release_source_weights(self, hf_model: nn.Module) -> int:
+        """Free the HF model's decoder-layer projections wherever this model holds copies of its own (the
+        fused q/k/v and gate/up, and every packed projection), for a process that only runs this model
+        (distillation): the weights then take their memory once, not twice. `hf_model`'s own forward no
+        longer works afterwards. Returns the bytes given back."""
+        freed = 0
+        for mine, layer in zip(self.layers, hf_model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            copied = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
+            copied += [lin for lin, own in ((attn.o_proj, mine.wo), (mlp.down_proj, mine.w2)) if own.packed]
+            for lin in copied:
+                freed += lin.weight.numel() * lin.weight.element_size()
+                lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
+        return freed
+
     def new_cache(self, rows: int, capacity: int) -> KVCache:
         # Small batches on CPU keep K/V in fp32, the dtype their attention runs in (see FP32_ATTENTION_ROWS):
         # converting each layer's K/V window at every step would cost more than the attention itself.

@@ -148,6 +148,9 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True, serv
     write_json_atomic(meta_path, meta)
     if server is None:
         rt = runtime or Runtime.load(cfg.model, heads="none", dtype=cfg.dtype)
+        if runtime is None:  # only the engine runs here: the model's weights need not be held twice
+            freed = rt.model.release_source_weights(rt.hf_model)
+            print(f"distill: {freed / 2**30:.1f} GiB of duplicate weights released", file=sys.stderr)
         tokenizer = rt.tokenizer
     else:
         from transformers import AutoTokenizer
