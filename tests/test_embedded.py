@@ -52,6 +52,28 @@ def test_cli_generate_json(embedded, capsys):
             "seconds"} <= set(stats)
     assert stats["batch_size"] == 2 and stats["mode"] == "plain" and stats["mean_accepted"] == 1.0
     assert stats["new_tokens"] == sum(len(o["token_ids"]) for o in data["outputs"])
+    # Plain decoding calibrates nothing: its passes are the prefill and one per step after the first token.
+    assert stats["overhead"]["calibration_passes"] == 0 and stats["overhead"]["planning_in_decoding_s"] == 0
+    assert stats["forward_passes"] == 1 + max(len(o["token_ids"]) for o in data["outputs"]) - 1
+
+
+def test_cli_generate_counts_calibration_passes_apart(embedded, capsys, tmp_path, monkeypatch):
+    """Default flags on a machine with no cached curve: the calibration's timing passes are counted in
+    forward_passes and reported under overhead, apart from decoding's seconds."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    from medusa.runtime import calibrate
+
+    monkeypatch.setattr(calibrate, "calibration_path", lambda key: tmp_path / "curve.json")
+    monkeypatch.setattr(calibrate, "TOKENS", [1, 2, 4, 8])
+    monkeypatch.setattr(calibrate, "REPEATS", 1)
+    monkeypatch.setattr(calibrate, "DRAFT_TOKENS", [1, 2, 4, 8])
+    rc = main(["generate", "--prompt", "Say hello.", "--max-new-tokens", "8", "--dtype", "fp32", "--device", "cpu",
+               "--json"])
+    assert rc == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
+    over = stats["overhead"]
+    assert over["calibration_passes"] > 0 and over["calibration_s"] > 0
+    assert stats["forward_passes"] >= over["calibration_passes"] + 1
 
 
 def test_cli_model_directory_qwen2(embedded, tmp_path, capsys):
