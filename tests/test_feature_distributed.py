@@ -118,6 +118,20 @@ def test_deepspeed_launcher_with_zero2_makes_the_same_head(one_process):
     _same_head(root / "one" / "head", root / "ds" / "head", rtol=1e-3, atol=1e-4)
 
 
+def test_accelerate_launch_makes_the_same_head(one_process):
+    # `--multi_gpu` is accelerate's torchrun launcher; without GPUs the ranks train on the CPU over gloo.
+    root, model, data = one_process
+    launcher = Path(sys.executable).parent / "accelerate"
+    proc = _run([str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                 "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+                 "-m", "medusa.cli", "train-feature", "--config", str(_config(root, model, data, "acc")),
+                 "--no-progress"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "world size 2" in out
+    _same_head(root / "one" / "head", root / "acc" / "head")
+
+
 def test_a_batch_smaller_than_the_processes_is_refused(one_process):
     root, model, data = one_process
     proc = _torchrun(_config(root, model, data, "small", batch_size=1), 2)

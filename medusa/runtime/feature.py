@@ -148,10 +148,13 @@ def plan_shape(cal, accuracy: list[list[float]], batch: int, draft_ratio, shapes
     `draft_ratio(rows, tokens)` is one head pass's cost in one-token target passes; `cal` the calibrated
     target pass-cost curve."""
     best = None
+    # Many shapes share a node count or a top-k: each cost is read off the curve once per plan.
+    drafts = functools.lru_cache(maxsize=None)(lambda tokens: draft_ratio(batch, tokens))
+    passes = functools.lru_cache(maxsize=None)(lambda tokens: cal.ratio(batch, tokens))
     for shape in shapes or shape_candidates():
         tau = expected_tau_dynamic(shape, accuracy)
-        drafting = draft_ratio(batch, 2) + (shape.depth - 1) * draft_ratio(batch, shape.topk)
-        cost = cal.ratio(batch, shape.nodes + 1) + drafting
+        drafting = drafts(2) + (shape.depth - 1) * drafts(shape.topk)
+        cost = passes(shape.nodes + 1) + drafting
         speedup = tau / cost
         if best is None or speedup > best[0]:
             best = (speedup, shape, tau, cost)
