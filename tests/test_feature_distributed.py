@@ -155,7 +155,7 @@ def test_online_and_cached_features_give_the_same_loss_on_the_same_batch(one_pro
 
     from medusa.decoding.model import load_target
     from medusa.train.data import load_examples, split_groups
-    from medusa.train.feature import (_make_head, chunk_groups, head_loss, load_feature_config,
+    from medusa.train.feature import (make_head, chunk_groups, head_loss, load_feature_config,
                                       training_features)
     from medusa.train.feature_data import OnlineFeatures, feature_fn
     from medusa.train import checkpoint as ckpt
@@ -167,7 +167,7 @@ def test_online_and_cached_features_give_the_same_loss_on_the_same_batch(one_pro
     fn = feature_fn(hf, [])
     cached = training_features(cfg, groups, ckpt.base_fingerprint(hf, cfg.model), fn, False)
     online = OnlineFeatures([e for _, exs in groups for e in exs], fn)
-    head, full_to_draft = _make_head(cfg, hf, cached, None)
+    head, full_to_draft = make_head(cfg, hf, cached, None)
     pick = [0, 3, 5, 6]
     a, b = cached.batch(pick, 64), online.batch(pick, 64)
     valid = a[4]

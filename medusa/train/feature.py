@@ -4,14 +4,11 @@ Data. Every training sequence (chat prompt + answer: ShareGPT's own answers, `da
 target's distilled answers, `data.use: distilled`) goes through the frozen target once; its features and
 the target's greedy next token at every position are cached (medusa.train.feature_data).
 
-Objective at position t (t+2 an answer token): the head reads (f_t, x_{t+1}) and predicts f_{t+1};
-    loss = feature_weight * SmoothL1(f^_{t+1}, f_{t+1})              (eagle1 only)
-         + ce_weight * CE(softmax over the draft vocabulary of lm_head(f_{t+1}), head's distribution)
-with uniform noise (+-noise) on the input features. Training-time unrolling (EAGLE-3 / HASS): the head is
-run `unroll` times, step j reading its own step j-1 output as the feature (the true tokens stay), attending
-to true entries up to t-j and to its own chain, exactly what a j-deep draft sees; step j's loss is weighted
-decay**j. Batches hold sequences of similar lengths (`group_by_length`). Checkpoints (`train/checkpoint.py`, resumable by re-running the command), wandb (offline by default),
-`run_dir/head/` (the head, eval.json with per-step rank accuracies, train_config.yaml) at the end.
+The objective (medusa.train.feature_loss): the head predicts the next feature and the target's distribution,
+unrolled over its own outputs (EAGLE-3 / HASS), exactly what a j-deep draft sees. Batches hold sequences of
+similar lengths (`group_by_length`), in one process or several (`_train`). Checkpoints (`train/checkpoint.py`,
+resumable by re-running the command), wandb (offline by default), `run_dir/head/` (the head, eval.json with
+per-step rank accuracies and tau, medusa.train.feature_eval, and train_config.yaml) at the end.
 """
 
 from __future__ import annotations
@@ -22,26 +19,26 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
 import yaml
 from pydantic import Field, field_validator
 
 from medusa.errors import MedusaError
-from medusa.io import atomic_dir, read_yaml, validate, write_json_atomic
+from medusa.io import atomic_dir, read_yaml, validate
 from medusa.train import checkpoint as ckpt
 from medusa.train.config import OptimConfig, RunConfig, StrictConfig, WandbConfig, apply_overrides
 from medusa.train.data import load_examples, split_groups
 from medusa.train.dist import Dist
 from medusa.train.feature_data import (Features, OnlineFeatures, cached_features, draft_map, draft_vocabulary,
                                        extract, feature_fn, sequence_order)
+from medusa.train.feature_eval import evaluate_head, evaluate_saved, measure_tau, predicted_tau  # noqa: F401
+from medusa.train.feature_loss import head_loss, step_counts, unrolled, unrolled_mask  # noqa: F401
 from medusa.train.hidden import table_key
 from medusa.train.logs import start_wandb
 from medusa.train.optim import Stepper
 from medusa.train.trainer import fault_injection
-from medusa.train.vocab_loss import DraftVocab
 
 
 class HeadSection(StrictConfig):
@@ -121,105 +118,6 @@ def load_feature_config(path: str | Path, overrides: list[str] | None = None) ->
     return validate(FeatureTrainConfig, data, str(path))
 
 
-# ---- the objective --------------------------------------------------------------------------------
-
-
-def unrolled_mask(steps: int, t: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive mask [1, 1, S, S] over `steps` stacked copies of a T-long sequence: step j at position t
-    sees the true entries s <= t - j and its own chain (step i at t - j + i, 1 <= i <= j)."""
-    s = steps * t
-    q_step = torch.arange(s, device=device) // t
-    q_pos = torch.arange(s, device=device) % t
-    k_step, k_pos = q_step, q_pos
-    qs, qp = q_step[:, None], q_pos[:, None]
-    ks, kp = k_step[None, :], k_pos[None, :]
-    true_part = (ks == 0) & (kp <= qp - qs)
-    chain = (ks >= 1) & (ks <= qs) & (kp == qp - qs + ks)
-    allowed = true_part | chain
-    return torch.zeros(s, s, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))[None, None]
-
-
-def shifted(x: torch.Tensor) -> torch.Tensor:
-    """[B, T, ...] -> the entry at s + 1 for every position s (the last one repeats)."""
-    return torch.cat([x[:, 1:], x[:, -1:]], 1)
-
-
-def unrolled(head, emb: torch.Tensor, f_in: torch.Tensor, label_ok: torch.Tensor, steps: int) -> Iterator:
-    """Run the head `steps` times over a [B, T] batch, step j reading its own step j-1 outputs as the
-    features; yields (j, output [B, T, H], ok [B, T]: the positions with a label at step j). Step j runs
-    the layer over its own T positions only: queries over the cached keys of every step so far, with the
-    last T rows of `unrolled_mask(j + 1, T)`."""
-    from transformers import DynamicCache
-
-    b, t = label_ok.shape
-    positions = torch.arange(t, device=emb.device).expand(b, t)
-    x = head.inputs(emb, f_in, fused=True)
-    cache = DynamicCache()
-    for j in range(min(steps, t)):
-        mask = None if j == 0 else unrolled_mask(j + 1, t, f_in.dtype, emb.device)[:, :, j * t:]
-        out = head.layer_forward(emb, x, positions, mask, cache=cache)
-        ok = label_ok.clone()
-        ok[:, :j] = False
-        yield j, out, ok
-        x = head.inputs(emb, torch.cat([out[:, :1] * 0, out[:, :-1]], 1), fused=False)
-
-
-def label_mask(answer: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """[B, T]: the positions s whose s+2 is an answer token (what a draft at s is trained to predict)."""
-    b, t = answer.shape
-    ok = torch.zeros(b, t, dtype=torch.bool, device=answer.device)
-    ok[:, : t - 2] = answer[:, 2:] & valid[:, 2:]
-    return ok
-
-
-def step_counts(answer: torch.Tensor, valid: torch.Tensor, steps: int) -> torch.Tensor:
-    """Labelled positions per unroll step [steps] (step j has none in a sequence's first j positions)."""
-    ok = label_mask(answer, valid)
-    return torch.stack([ok[:, j:].sum() for j in range(steps)]).float()
-
-
-def head_loss(head, cfg: FeatureTrainConfig, feats: torch.Tensor, tokens: torch.Tensor, answer: torch.Tensor,
-              top: torch.Tensor, valid: torch.Tensor, full_to_draft: torch.Tensor, noise: bool = True,
-              counts: torch.Tensor | None = None):
-    """feats [B, T, F] (float), tokens/answer/top/valid [B, T]. Returns (loss, stats per unroll step).
-    `counts` [unroll]: the labelled positions per step that each step's loss is averaged over (default:
-    this batch's; a process holding part of a global batch passes the whole batch's, `step_counts` summed
-    over the processes, so the processes' summed gradients are the whole batch's)."""
-    b, t, _ = feats.shape
-    h = head.config.hidden_size
-    # Inputs at position s: f_s and x_{s+1}; targets: f_{s+1} and the target's distribution at s+1.
-    emb = head.embed(shifted(tokens)).float()
-    f_in = feats[..., : head.config.feature_dim]
-    if noise and cfg.loss.noise > 0:
-        f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * cfg.loss.noise
-    target_feat = shifted(feats[..., -h:])  # the final feature at s+1
-    label_ok = label_mask(answer, valid)
-    # The vocabulary projections and the loss run on the labelled positions only (answers, not prompts
-    # or padding): rows [N] of the flattened batch; step j's labels are the subset where ok_j holds.
-    rows = label_ok.flatten().nonzero().squeeze(1)
-    vocab = DraftVocab(head.lm_head.weight)  # the frozen projection, cast once for the step
-    with torch.no_grad():
-        target_rows = target_feat.flatten(0, 1)[rows]
-        teacher = vocab.teacher(target_rows)  # the target's draft-vocabulary distribution [N, V]
-        greedy_d = full_to_draft[shifted(top).flatten()[rows]]  # the target's token at s+2 [N]
-    loss = feats.new_zeros(())
-    stats = []
-    for j, out, ok in unrolled(head, emb, f_in, label_ok, cfg.loss.unroll):
-        w = ok.flatten()[rows].float()  # [N]: 0 where step j has no label (its first j positions)
-        count = (w.sum() if counts is None else counts[j]).clamp(min=1)
-        out_rows = out.flatten(0, 1)[rows]
-        ce, drafted = vocab.loss(out_rows if head.norm is None else head.norm(out_rows), teacher)
-        step_loss = cfg.loss.ce_weight * (ce * w).sum() / count
-        if head.config.style == "eagle1" and cfg.loss.feature_weight > 0:
-            sl1 = F.smooth_l1_loss(out_rows.float(), target_rows.float(), reduction="none").mean(-1)
-            step_loss = step_loss + cfg.loss.feature_weight * (sl1 * w).sum() / count
-        loss = loss + cfg.loss.decay ** j * step_loss
-        with torch.no_grad():
-            hit = (drafted == greedy_d).float() * w
-            stats.append((int(hit.sum()), int(w.sum())))
-    return loss, stats
-
-
 # ---- the run --------------------------------------------------------------------------------------
 
 
@@ -249,7 +147,7 @@ def training_features(cfg: FeatureTrainConfig, groups, base: dict, fn, progress:
     return Features.cat([chunk(name, exs) for name, exs in groups])
 
 
-def _make_head(cfg: FeatureTrainConfig, hf, feats: Features, resume: Path | None):
+def make_head(cfg: FeatureTrainConfig, hf, feats: Features, resume: Path | None):
     """A new head for the target and the map from full token ids to draft ids (-1: outside it). Its draft
     vocabulary: the most frequent answer tokens, or the checkpoint's when the run resumes (the data may have
     grown since, and the state trained on those ids)."""
@@ -300,7 +198,7 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
     if prepare_only:
         return {"sequences": len(feats), "positions": feats.positions(), "seconds": extract_seconds}
     point = resume_point(Path(cfg.run_dir), cfg.resume_from)
-    head, full_to_draft = _make_head(cfg, hf, feats, point)
+    head, full_to_draft = make_head(cfg, hf, feats, point)
     head, full_to_draft = head.to(d.device), full_to_draft.to(d.device)
     meta = {"base": base, "heads": asdict(head.config) | {"base_model": None}}
     held_features: list[Features] = []  # the held-out features, extracted on first use and kept
@@ -340,27 +238,6 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
     d.barrier()
     return {"run_dir": str(Path(cfg.run_dir)), "head_dir": str(out), "step": step, "trained_tokens": trained,
             "train_seconds": train_seconds, "eval": report, "world_size": d.world}
-
-
-def evaluate_saved(cfg: FeatureTrainConfig, head_dir: str | Path) -> dict:
-    """Measure the head in `head_dir` again on `cfg`'s held-out split (e.g. at more draft steps) and
-    rewrite its eval.json, keeping what the training recorded there (steps, trained positions)."""
-    from medusa.decoding.feature_heads import FeatureHead
-    from medusa.decoding.model import load_target
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    hf, tokenizer = load_target(cfg.model, cfg.dtype, "cpu" if not torch.cuda.is_available() else None)
-    hf.eval().requires_grad_(False)
-    _, held = split_groups(cfg, chunk_groups(cfg, load_examples(cfg, tokenizer)))
-    head = FeatureHead.load(head_dir, hf).float()
-    full_to_draft = draft_map(head.config.vocab_size, head.draft_ids)
-    path = Path(head_dir) / "eval.json"
-    old = json.loads(path.read_text()) if path.is_file() else {}
-    report = {k: v for k, v in old.items() if k in ("step", "trained_tokens", "extract_seconds")}
-    report = evaluate_head(head, cfg, hf, feature_fn(hf, cfg.head.feature_layers), held, full_to_draft) | report
-    write_json_atomic(path, report)
-    return report
 
 
 def step_autocast(precision: str, device: torch.device) -> torch.autocast:
@@ -511,67 +388,3 @@ def _resume(path: Path | None, head, stepper: Stepper, meta, d: Dist | None = No
         print(f"resumed from {path} (step {st['step']}, world size {st.get('world_size', 1)} then, "
               f"{d.world} now)", file=sys.stderr)
     return int(st["step"]), int(st["trained"]), list(st.get("history", []))
-
-
-def predicted_tau(tree: str, report: dict) -> float:
-    """The tokens per step a `tree` (dynamic-N[xD[xK]]) of this head is expected to accept, from its
-    held-out rank accuracies (what auto mode plans with)."""
-    from medusa.decoding.dynamic_tree import parse_shape
-    from medusa.decoding.feature_proposer import expected_tau_dynamic
-
-    return expected_tau_dynamic(parse_shape(tree), report["rank_accuracy"])
-
-
-@torch.no_grad()
-def measure_tau(cfg: FeatureTrainConfig, hf, tokenizer, head, held: list[dict]) -> float:
-    """Tokens per step when the head drafts `cfg.tau_tree` for the target, greedy, over the first
-    `measure_tau_prompts` held-out prompts (`measure_tau_tokens` new tokens each)."""
-    from medusa.decoding.engine import Engine
-    from medusa.decoding.transformer import Transformer
-    from medusa.runtime.feature import feature_proposer
-    from medusa.runtime.runtime import Runtime, eos_ids
-
-    head.eval()
-    prompts = [e["input_ids"][: e["loss_mask"].index(1)] for e in held[: cfg.measure_tau_prompts] if 1 in e["loss_mask"]]
-    model = Transformer(hf)
-    rt = Runtime(hf, tokenizer, model, Engine(model, eos_ids(hf, tokenizer)), None, feature=head)
-    proposer = feature_proposer(rt, cfg.tau_tree)
-    steps = rows = 0.0
-    for p in prompts:  # one at a time: tau at batch size 1, as the expectation is
-        gen = rt.engine.generate([p], cfg.measure_tau_tokens, proposer)
-        steps += gen.stats.mean_accepted * gen.stats.row_steps
-        rows += gen.stats.row_steps
-    return steps / max(rows, 1)
-
-
-@torch.no_grad()
-def evaluate_head(head, cfg: FeatureTrainConfig, hf, fn, held: list[dict], full_to_draft: torch.Tensor,
-                  feats: Features | None = None, examples: int | None = None) -> dict:
-    """Held-out rank accuracy per draft step (step j: the head's own j previous outputs as features), the
-    target's greedy token as the label: rank_accuracy[j][r] = P(label is the head's rank-r token).
-    `feats`: the held-out features when already extracted; `examples`: the first that many sequences only."""
-    if not held:
-        return {}
-    head.eval()
-    feats = feats if feats is not None else extract(held, fn)
-    steps = max(cfg.loss.unroll, cfg.eval_steps)
-    k = cfg.eval_topk
-    hits = torch.zeros(steps, k)
-    counts = torch.zeros(steps)
-    for i in range(min(len(feats), examples or len(feats))):
-        f, tok, ans, top, valid = (x.to(full_to_draft.device) for x in feats.batch([i], cfg.data.max_seq_tokens))
-        t = f.shape[1]
-        if t < 4:
-            continue
-        emb = head.embed(shifted(tok)).float()
-        lab = full_to_draft[shifted(top)]
-        label_ok = torch.zeros(1, t, dtype=torch.bool, device=f.device)
-        label_ok[:, : t - 2] = ans[:, 2:]
-        for j, out, ok in unrolled(head, emb, f[..., : head.config.feature_dim], label_ok, steps):
-            ranks = head.logits(out).topk(k, -1).indices  # [1, T, k] draft indices
-            hit = (ranks == lab[..., None]) & ok[..., None]
-            hits[j] += hit.float().sum((0, 1)).cpu()
-            counts[j] += ok.sum().cpu()
-    acc = (hits / counts.clamp(min=1)[:, None]).tolist()
-    return {"examples": min(len(held), examples or len(held)), "labels_per_step": counts.long().tolist(),
-            "rank_accuracy": acc, "top1": [a[0] for a in acc], "topk_accuracy": [[sum(a[: r + 1]) for r in range(len(a))] for a in acc]}

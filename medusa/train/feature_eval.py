@@ -1,0 +1,104 @@
+"""How good a feature head is: held-out rank accuracy per draft step, the tau it predicts for a dynamic
+tree, and tau measured by decoding with it (`medusa train-feature`, at intervals and at the end)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from medusa.io import write_json_atomic
+from medusa.train.feature_data import Features, draft_map, extract, feature_fn
+from medusa.train.feature_loss import shifted, unrolled
+
+if TYPE_CHECKING:
+    from medusa.train.feature import FeatureTrainConfig
+
+
+def evaluate_saved(cfg: FeatureTrainConfig, head_dir: str | Path) -> dict:
+    """Measure the head in `head_dir` again on `cfg`'s held-out split (e.g. at more draft steps) and
+    rewrite its eval.json, keeping what the training recorded there (steps, trained positions)."""
+    from medusa.decoding.feature_heads import FeatureHead
+    from medusa.decoding.model import load_target
+    from medusa.train.data import load_examples, split_groups
+    from medusa.train.feature import chunk_groups
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    hf, tokenizer = load_target(cfg.model, cfg.dtype, "cpu" if not torch.cuda.is_available() else None)
+    hf.eval().requires_grad_(False)
+    _, held = split_groups(cfg, chunk_groups(cfg, load_examples(cfg, tokenizer)))
+    head = FeatureHead.load(head_dir, hf).float()
+    full_to_draft = draft_map(head.config.vocab_size, head.draft_ids)
+    path = Path(head_dir) / "eval.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    report = {k: v for k, v in old.items() if k in ("step", "trained_tokens", "extract_seconds")}
+    report = evaluate_head(head, cfg, hf, feature_fn(hf, cfg.head.feature_layers), held, full_to_draft) | report
+    write_json_atomic(path, report)
+    return report
+
+
+def predicted_tau(tree: str, report: dict) -> float:
+    """The tokens per step a `tree` (dynamic-N[xD[xK]]) of this head is expected to accept, from its
+    held-out rank accuracies (what auto mode plans with)."""
+    from medusa.decoding.dynamic_tree import parse_shape
+    from medusa.decoding.feature_proposer import expected_tau_dynamic
+
+    return expected_tau_dynamic(parse_shape(tree), report["rank_accuracy"])
+
+
+@torch.no_grad()
+def measure_tau(cfg: FeatureTrainConfig, hf, tokenizer, head, held: list[dict]) -> float:
+    """Tokens per step when the head drafts `cfg.tau_tree` for the target, greedy, over the first
+    `measure_tau_prompts` held-out prompts (`measure_tau_tokens` new tokens each)."""
+    from medusa.decoding.engine import Engine
+    from medusa.decoding.transformer import Transformer
+    from medusa.runtime.feature import feature_proposer
+    from medusa.runtime.runtime import Runtime, eos_ids
+
+    head.eval()
+    prompts = [e["input_ids"][: e["loss_mask"].index(1)] for e in held[: cfg.measure_tau_prompts] if 1 in e["loss_mask"]]
+    model = Transformer(hf)
+    rt = Runtime(hf, tokenizer, model, Engine(model, eos_ids(hf, tokenizer)), None, feature=head)
+    proposer = feature_proposer(rt, cfg.tau_tree)
+    steps = rows = 0.0
+    for p in prompts:  # one at a time: tau at batch size 1, as the expectation is
+        gen = rt.engine.generate([p], cfg.measure_tau_tokens, proposer)
+        steps += gen.stats.mean_accepted * gen.stats.row_steps
+        rows += gen.stats.row_steps
+    return steps / max(rows, 1)
+
+
+@torch.no_grad()
+def evaluate_head(head, cfg: FeatureTrainConfig, hf, fn, held: list[dict], full_to_draft: torch.Tensor,
+                  feats: Features | None = None, examples: int | None = None) -> dict:
+    """Held-out rank accuracy per draft step (step j: the head's own j previous outputs as features), the
+    target's greedy token as the label: rank_accuracy[j][r] = P(label is the head's rank-r token).
+    `feats`: the held-out features when already extracted; `examples`: the first that many sequences only."""
+    if not held:
+        return {}
+    head.eval()
+    feats = feats if feats is not None else extract(held, fn)
+    steps = max(cfg.loss.unroll, cfg.eval_steps)
+    k = cfg.eval_topk
+    hits = torch.zeros(steps, k)
+    counts = torch.zeros(steps)
+    for i in range(min(len(feats), examples or len(feats))):
+        f, tok, ans, top, valid = (x.to(full_to_draft.device) for x in feats.batch([i], cfg.data.max_seq_tokens))
+        t = f.shape[1]
+        if t < 4:
+            continue
+        emb = head.embed(shifted(tok)).float()
+        lab = full_to_draft[shifted(top)]
+        label_ok = torch.zeros(1, t, dtype=torch.bool, device=f.device)
+        label_ok[:, : t - 2] = ans[:, 2:]
+        for j, out, ok in unrolled(head, emb, f[..., : head.config.feature_dim], label_ok, steps):
+            ranks = head.logits(out).topk(k, -1).indices  # [1, T, k] draft indices
+            hit = (ranks == lab[..., None]) & ok[..., None]
+            hits[j] += hit.float().sum((0, 1)).cpu()
+            counts[j] += ok.sum().cpu()
+    acc = (hits / counts.clamp(min=1)[:, None]).tolist()
+    return {"examples": min(len(held), examples or len(held)), "labels_per_step": counts.long().tolist(),
+            "rank_accuracy": acc, "top1": [a[0] for a in acc], "topk_accuracy": [[sum(a[: r + 1]) for r in range(len(a))] for a in acc]}
