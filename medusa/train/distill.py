@@ -198,18 +198,17 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True, serv
             _save_shard(Dataset.from_dict(rows), out / f"shard-{shard:05d}",
                         {**made, "seconds_since_start": round(time.monotonic() - started, 1)})
 
-    if server is None:
-        answer_all(rt.engine, [chunks[i][k][1] for i, k in flat], cfg.data.max_new_tokens, batch_size, bar, finished)
-    else:
-        from medusa.train.distill_server import answer_all_served
+    try:
+        if server is None:
+            answer_all(rt.engine, [chunks[i][k][1] for i, k in flat], cfg.data.max_new_tokens, batch_size, bar,
+                       finished)
+        else:
+            from medusa.train.distill_server import answer_all_served
 
-        try:
             answer_all_served(server, server_model, [chunks[i][k][0] for i, k in flat], cfg.data.max_new_tokens,
                               tokenizer, concurrency, finished, bar, api_key)
-        finally:
-            bar.close()
-        return out
-    bar.close()
+    finally:
+        bar.close()
     return out
 
 
