@@ -7,16 +7,32 @@ from pathlib import Path
 
 from medusa.errors import MedusaError
 
-from medusa.train.config import load_config
+from medusa.train.config import apply_overrides, load_config, parse_config
 from medusa.train.export import FORMATS
 
 
 def add_parser(subparsers) -> None:
     d = subparsers.add_parser("distill", help="have the target answer training prompts (resumable)")
-    d.add_argument("--config", required=True, help="training YAML, Medusa or feature head (its model, dtype and "
-                   "data sections are used)")
+    d.add_argument("--config", default=None, help="training YAML, Medusa or feature head (its model, dtype and "
+                   "data sections are used; default: the defaults, the embedded model)")
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. data.limit=256 (repeatable)")
+    d.add_argument("--prompts", default=None, metavar="SOURCES",
+                   help="comma-separated prompt sources (data.sources): sharegpt, sharegpt-turns, a file, a hub id, "
+                        "or self:N, N prompts the target writes itself, e.g. sharegpt,self:1000")
+    d.add_argument("--out", default=None, metavar="DIR", help="the distilled directory (data.distill_dir)")
+    d.add_argument("--self-temperature", type=_positive, default=None,
+                   help="with self:N: sampling temperature of the written prompts (data.self_prompts.temperature, "
+                        "default 1.0)")
+    d.add_argument("--self-top-p", type=_probability, default=None,
+                   help="with self:N: nucleus sampling (data.self_prompts.top_p, default 1.0)")
+    d.add_argument("--self-seed", type=int, default=None, help="with self:N: seed (data.self_prompts.seed, default 0)")
+    d.add_argument("--self-max-tokens", type=int, default=None,
+                   help="with self:N: longest prompt written, longer ones are dropped (data.self_prompts.max_tokens, "
+                        "default 128)")
+    d.add_argument("--self-topics", default=None, metavar="YAML",
+                   help="with self:N: a YAML list of topics or task kinds to spread the prompts over "
+                        "(data.self_prompts.topics)")
     d.add_argument("--server", default=None, metavar="URL",
                    help="ask this OpenAI-compatible server (vLLM, SGLang, llama.cpp, TGI, medusa serve) for the "
                         "answers instead of running the target here; the config's model gives the tokenizer")
@@ -120,8 +136,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from medusa.train.distill import run_distill
     from medusa.train.feature import load_feature_config
 
-    feature = "head" in read_yaml(args.config)
-    cfg = (load_feature_config if feature else load_config)(args.config, args.set)
+    overrides = list(args.set) + distill_overrides(args)
+    if args.config is None:
+        cfg = parse_config(apply_overrides({"dtype": "auto"}, overrides), "medusa distill")  # auto resolved
+    else:
+        feature = "head" in read_yaml(args.config)
+        cfg = (load_feature_config if feature else load_config)(args.config, overrides)
     if int(os.environ.get("RANK", "0")) > 0:
         # Distillation runs in one process; under a launcher the other ranks would repeat its work.
         print(f"medusa distill: rank {os.environ['RANK']} has nothing to do (rank 0 distils)", file=sys.stderr)
@@ -132,6 +152,47 @@ def cmd_distill(args: argparse.Namespace) -> int:
                       api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), server_model=args.server_model)
     print(f"distilled dataset: {out}")
     return 0
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def distill_overrides(args: argparse.Namespace) -> list[str]:
+    """`medusa distill`'s own flags as config overrides (values in JSON, which YAML reads alike)."""
+    import json
+
+    from medusa.train.config import self_count
+
+    out = {}
+    if args.prompts is not None:
+        sources = [s.strip() for s in args.prompts.split(",") if s.strip()]
+        if not sources:
+            raise MedusaError("--prompts: name at least one source, e.g. sharegpt or self:1000")
+        for s in sources:
+            if s.startswith("self") and not Path(s).exists() and (self_count(s) or 0) < 1:
+                raise MedusaError(f"--prompts: {s!r}: write self:N with N a positive number, e.g. self:1000")
+        out["data.sources"] = sources
+    if args.self_topics is not None and not Path(args.self_topics).is_file():
+        raise MedusaError(f"--self-topics: {args.self_topics}: no such file")
+    if args.self_max_tokens is not None and args.self_max_tokens < 1:
+        raise MedusaError(f"--self-max-tokens: must be at least 1, got {args.self_max_tokens}")
+    for flag, key in (("out", "data.distill_dir"), ("self_temperature", "data.self_prompts.temperature"),
+                      ("self_top_p", "data.self_prompts.top_p"), ("self_seed", "data.self_prompts.seed"),
+                      ("self_max_tokens", "data.self_prompts.max_tokens"), ("self_topics", "data.self_prompts.topics")):
+        if getattr(args, flag) is not None:
+            out[key] = getattr(args, flag)
+    return [f"{k}={json.dumps(v)}" for k, v in out.items()]
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -18,10 +19,31 @@ class StrictConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class SelfPromptsConfig(StrictConfig):
+    """How the target writes its own training prompts (the source `self:N`, medusa.train.self_prompts)."""
+
+    temperature: float = Field(default=1.0, gt=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int = 0
+    max_tokens: int = Field(default=128, gt=0)        # a prompt still unfinished at this length is dropped
+    topics: str | None = None                         # a YAML list of topics or task kinds to spread over
+    similarity: float = Field(default=0.7, gt=0.0, le=1.0)  # word 3-gram Jaccard of a near duplicate
+
+
+SELF_SOURCE = re.compile(r"self:(\d+)")
+
+
+def self_count(source: str) -> int | None:
+    """N of a `self:N` source, None for any other source."""
+    m = SELF_SOURCE.fullmatch(source)
+    return int(m.group(1)) if m else None
+
+
 class DataConfig(StrictConfig):
-    # Prompt sources: "sharegpt", a local json/jsonl/parquet/txt file or a hub dataset id.
-    # "mtbench" is refused: it is the evaluation set.
+    # Prompt sources: "sharegpt", a local json/jsonl/parquet/txt file, a hub dataset id, or "self:N" (N
+    # prompts the target writes itself, see self_prompts). "mtbench" is refused: it is the evaluation set.
     sources: list[str] = Field(default_factory=lambda: ["sharegpt"], min_length=1)
+    self_prompts: SelfPromptsConfig = Field(default_factory=SelfPromptsConfig)
     limit: int | None = Field(default=None, gt=0)       # prompts to distil / to train on, over all sources
     max_prompt_tokens: int = Field(default=256, gt=0)   # longer prompts are skipped, not cut
     max_new_tokens: int = Field(default=192, gt=0)      # length of each distilled answer
@@ -34,6 +56,19 @@ class DataConfig(StrictConfig):
     use: Literal["distilled", "source"] = "distilled"
     eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
     max_seq_tokens: int = Field(default=512, gt=8)
+
+    @field_validator("sources")
+    @classmethod
+    def _sources(cls, v: list[str]) -> list[str]:
+        selfs = [s for s in v if s.startswith("self")]
+        for s in selfs:
+            if s != "self" and not s.startswith("self:"):
+                continue  # a file or dataset whose name starts with "self"
+            if self_count(s) is None or self_count(s) < 1:
+                raise ValueError(f"{s!r}: write self:N with N a positive number of prompts, e.g. self:1000")
+        if sum(self_count(s) is not None for s in v) > 1:
+            raise ValueError("at most one self:N source")
+        return v
 
 
 class HeadsSection(StrictConfig):

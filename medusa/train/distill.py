@@ -10,6 +10,8 @@ Layout of a distilled directory (what other training code can reuse, see `load_d
     <dir>/shard-00000/ ...              `Dataset.save_to_disk` output, columns:
         prompt (str), prompt_ids (list[int]), response_ids (list[int]), response (str), finish_reason (str)
     <dir>/shard-00000/count.json        rows, and what answered them: dtype, machine, seconds of wall time
+    <dir>/self_prompts.jsonl            with a `self:N` source: every prompt the target wrote, kept or dropped
+    <dir>/card.json, card.md            the data card (medusa.train.card), rewritten after every shard
 
 A directory may be continued in another dtype (a machine without native bf16 answers in fp32): `meta.json`
 keeps the dtype it was started in, each shard's count.json the one that answered it. Greedy answers of the
@@ -30,13 +32,29 @@ from medusa.decoding.transformer import cache_capacity
 from medusa.errors import MedusaError
 from medusa.io import atomic_dir, cache_dir, write_json_atomic
 
-from medusa.train.config import TrainConfig
+from medusa.train.card import DataCard
+from medusa.train.config import TrainConfig, self_count
 from medusa.train.data import training_pairs
+from medusa.train.prompt_filters import guess_kind, normalise
+from medusa.train.self_prompts import PROMPTS_FILE, SelfPromptWriter
+
+
+def self_settings(cfg: TrainConfig) -> dict | None:
+    """The settings self-written prompts depend on (the topics file by its content too); None without a
+    self:N source."""
+    if not any(self_count(s) is not None for s in cfg.data.sources):
+        return None
+    out = cfg.data.self_prompts.model_dump()
+    topics = out.get("topics")
+    if topics and Path(topics).is_file():
+        out["topics_sha1"] = hashlib.sha1(Path(topics).read_bytes()).hexdigest()[:12]
+    return out
 
 
 def default_distill_dir(cfg: TrainConfig) -> Path:
     d = cfg.data
-    key = json.dumps([cfg.model, cfg.dtype, d.sources, d.max_prompt_tokens, d.max_new_tokens])
+    key = json.dumps([cfg.model, cfg.dtype, d.sources, d.max_prompt_tokens, d.max_new_tokens]
+                     + ([self_settings(cfg)] if self_settings(cfg) else []))
     name = Path(cfg.model).name if cfg.model != "default" else "default"
     return cache_dir() / "distill" / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
@@ -47,29 +65,77 @@ def distill_dir(cfg: TrainConfig) -> Path:
 
 def _meta(cfg: TrainConfig) -> dict:
     d = cfg.data
-    return {"model": cfg.model, "dtype": cfg.dtype, "sources": d.sources, "max_new_tokens": d.max_new_tokens,
+    meta = {"model": cfg.model, "dtype": cfg.dtype, "sources": d.sources, "max_new_tokens": d.max_new_tokens,
             "max_prompt_tokens": d.max_prompt_tokens}
+    return {**meta, "self_prompts": self_settings(cfg)} if self_settings(cfg) else meta
 
 
 def extends(old: dict, new: dict) -> bool:
     """A distilled directory made with `old` settings can be continued with `new` ones: the same settings,
     with the same sources first (more sources append prompts after the ones already answered, so every
     existing shard keeps its prompts)."""
-    free = ("sources", "dtype")
+    free = ("sources", "dtype") + (() if "self_prompts" in old else ("self_prompts",))
     same = {k: v for k, v in old.items() if k not in free} == {k: v for k, v in new.items() if k not in free}
-    return same and new["sources"][: len(old["sources"])] == old["sources"]
+    before, after = old["sources"], new["sources"][: len(old["sources"])]
+    if before and after and self_count(before[-1]) is not None and self_count(after[-1]) is not None:
+        # the last source self:M grows to self:N: the first M written prompts stay where they were
+        return same and before[:-1] == after[:-1] and self_count(after[-1]) >= self_count(before[-1])
+    return same and after == before
 
 
-def select_prompts(cfg: TrainConfig, tokenizer) -> list[tuple[str, list[int]]]:
+# (prompt, chat-formatted ids, source, kind) of one prompt to answer
+Prompt = tuple[str, list[int], str, str]
+
+
+def labelled_prompts(cfg: TrainConfig, tokenizer, rt=None, out: Path | None = None,
+                     progress: bool = False) -> list[Prompt]:
+    """The training prompts that fit data.max_prompt_tokens, source by source, each once (an exact repeat
+    of an earlier prompt is skipped), MT-bench questions left out, with their source and kind; a `self:N`
+    source has the target (`rt`) write its N prompts first, recorded in `out`."""
+    per_source = {s: [] if self_count(s) is not None else [p for p, _ in training_pairs([s])] for s in cfg.data.sources}
+    n_self = next((self_count(s) for s in cfg.data.sources if self_count(s) is not None), None)
+    if n_self is not None:
+        if rt is None or out is None:
+            raise MedusaError("data.sources: self:N prompts are written by the target: run `medusa distill` "
+                              "(not with --server)")
+        before = sum(len(per_source[s]) for s in cfg.data.sources[: _self_index(cfg)])
+        if not cfg.data.limit or before < cfg.data.limit:
+            per_source[cfg.data.sources[_self_index(cfg)]] = _write_self(cfg, rt, out, n_self, per_source, progress)
+    seen, chosen = set(), []
+    for source in cfg.data.sources:
+        for item in per_source[source]:
+            prompt, kind = item if isinstance(item, tuple) else (item, None)
+            if prompt.strip() in seen:
+                continue
+            seen.add(prompt.strip())
+            ids = chat_ids(tokenizer, prompt)
+            if len(ids) <= cfg.data.max_prompt_tokens:
+                chosen.append((prompt, ids, source, kind or guess_kind(prompt)))
+                if cfg.data.limit and len(chosen) >= cfg.data.limit:
+                    return chosen
+    return chosen
+
+
+def _self_index(cfg: TrainConfig) -> int:
+    return next(i for i, s in enumerate(cfg.data.sources) if self_count(s) is not None)
+
+
+def _write_self(cfg: TrainConfig, rt, out: Path, n: int, per_source: dict, progress: bool) -> list[tuple[str, str]]:
+    from medusa.prompts import mtbench_prompts
+
+    try:
+        avoid = {normalise(p) for p in mtbench_prompts()}
+    except MedusaError:
+        avoid = set()  # no registry access: nothing to compare with
+    others = {normalise(p) for s, ps in per_source.items() for p in ps}
+    writer = SelfPromptWriter(rt, cfg.data.self_prompts, n, out / PROMPTS_FILE, others, avoid,
+                              distill_batch_size(cfg, rt, n), progress)
+    return [(r["prompt"], r["kind"]) for r in writer.run()]
+
+
+def select_prompts(cfg: TrainConfig, tokenizer, rt=None, out: Path | None = None) -> list[tuple[str, list[int]]]:
     """(prompt, chat-formatted ids) of the training prompts that fit data.max_prompt_tokens."""
-    out = []
-    for prompt, _ in training_pairs(cfg.data.sources):
-        ids = chat_ids(tokenizer, prompt)
-        if len(ids) <= cfg.data.max_prompt_tokens:
-            out.append((prompt, ids))
-            if cfg.data.limit and len(out) >= cfg.data.limit:
-                break
-    return out
+    return [(p, ids) for p, ids, _, _ in labelled_prompts(cfg, tokenizer, rt, out)]
 
 
 # Batch sizes `distill_batch_size: auto` chooses among (one-token passes timed once per machine).
@@ -160,9 +226,12 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True, serv
 
         rt, tokenizer = None, AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model))
         server_model = served_model(server, api_key, server_model)
-    prompts = select_prompts(cfg, tokenizer)
-    if not prompts:
+    labelled = labelled_prompts(cfg, tokenizer, rt, out, show_progress)
+    if not labelled:
         raise MedusaError("data.sources: no prompt fits data.max_prompt_tokens")
+    prompts = [(p, ids) for p, ids, _, _ in labelled]
+    card = DataCard(out, meta, _run_facts(cfg, rt, server))
+    card.prompts(labelled, len(chat_ids(tokenizer, "")), self_settings(cfg), cfg.data.shard_size)
     if server is not None:
         from medusa.train.distill_server import check_same_tokenizer
 
@@ -195,8 +264,9 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True, serv
                     "response_ids": [g.tokens for g in got],
                     "response": [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in got],
                     "finish_reason": [g.reason for g in got]}
-            _save_shard(Dataset.from_dict(rows), out / f"shard-{shard:05d}",
-                        {**made, "seconds_since_start": round(time.monotonic() - started, 1)})
+            seconds = round(time.monotonic() - started, 1)
+            _save_shard(Dataset.from_dict(rows), out / f"shard-{shard:05d}", {**made, "seconds_since_start": seconds})
+            card.shard(f"shard-{shard:05d}", got, seconds)
 
     try:
         if server is None:
@@ -210,6 +280,18 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True, serv
     finally:
         bar.close()
     return out
+
+
+def _run_facts(cfg: TrainConfig, rt, server: str | None) -> dict:
+    """What the card records of a run: when, the command, the machine (or the server), torch, the dtype."""
+    import torch
+
+    from medusa.decoding.hardware import command_line
+
+    where = {"machine": f"server {server}"} if server else {"machine": rt.machine.describe(),
+                                                            "machine_facts": rt.machine.to_dict()}
+    return {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command_line(), **where,
+            "torch": torch.__version__, "dtype": cfg.dtype}
 
 
 def _shard_count(path: Path) -> int:
