@@ -177,14 +177,78 @@ def test_measured_speedups_decide_where_they_exist():
 
     model = {"recommendation": {"1": "plain", "2": "plain", "64": "medusa"}, "best_tree": {"1": "tree-16"}}
     results = [
-        {"kind": "plain", "batch_size": 1, "speedup_vs_plain": 1.0},
-        {"kind": "medusa", "batch_size": 1, "speedup_vs_plain": 1.19, "tree": "tree-8"},
-        {"kind": "draft", "batch_size": 1, "speedup_vs_plain": 0.87},
-        {"kind": "medusa", "batch_size": 2, "speedup_vs_plain": 0.96, "tree": "tree-8"},
-        {"kind": "hf", "batch_size": 2, "speedup_vs_plain": 1.5},  # not a mode the server can switch to
+        {"method": "plain", "kind": "plain", "batch_size": 1, "speedup_vs_plain": 1.0},
+        {"method": "medusa:tree-8", "kind": "medusa", "batch_size": 1, "speedup_vs_plain": 1.19, "tree": "tree-8"},
+        {"method": "draft", "kind": "draft", "batch_size": 1, "speedup_vs_plain": 0.87},
+        {"method": "medusa:tree-8", "kind": "medusa", "batch_size": 2, "speedup_vs_plain": 0.96, "tree": "tree-8"},
+        {"method": "hf", "kind": "hf", "batch_size": 2, "speedup_vs_plain": 1.5},  # an anchor, not a mode
     ]
     out = apply_measurements(model, results)
     assert out["recommendation"] == {"1": "medusa", "2": "plain", "64": "medusa"}
     assert out["best_tree"]["1"] == "tree-8"
     assert out["recommendation_source"] == {"1": "measured", "2": "measured", "64": "predicted"}
     assert out["predicted_recommendation"] == {"1": "plain", "2": "plain", "64": "medusa"}
+    assert out["fastest"]["1"]["measured"] == "medusa:tree-8" and out["fastest"]["2"]["measured"] == "plain"
+
+
+def test_the_recommendation_weighs_every_method_the_engine_ran():
+    from medusa.eval.cost_inputs import apply_measurements
+
+    # Lookup and the feature head are neither Medusa nor a draft, yet they can be the fastest: the fastest
+    # method is named, and the server's mode for it is its own proposer ("medusa").
+    model = {"recommendation": {"1": "plain", "4": "plain"}, "best_tree": {},
+             "predicted_by_method": {"1": {"lookup": 1.3, "feature:planned": 1.5}, "4": {"lookup": 0.9}}}
+    results = [
+        {"method": "plain", "kind": "plain", "batch_size": 1, "speedup_vs_plain": 1.0},
+        {"method": "lookup", "kind": "lookup", "batch_size": 1, "speedup_vs_plain": 1.2},
+        {"method": "feature:planned", "kind": "feature", "batch_size": 1, "speedup_vs_plain": 1.4},
+        {"method": "draft", "kind": "draft", "batch_size": 1, "speedup_vs_plain": 1.1},
+        {"method": "plain", "kind": "plain", "batch_size": 4, "speedup_vs_plain": 1.0},
+        {"method": "draft", "kind": "draft", "batch_size": 4, "speedup_vs_plain": 1.05},
+        {"method": "lookup", "kind": "lookup", "batch_size": 4, "speedup_vs_plain": 0.97},
+    ]
+    out = apply_measurements(model, results)
+    assert out["fastest"]["1"] == {"measured": "feature:planned", "measured_speedup": 1.4,
+                                   "predicted": "feature:planned", "predicted_speedup": 1.5}
+    assert out["fastest"]["4"]["measured"] == "draft" and out["fastest"]["4"]["predicted"] == "plain"
+    assert out["recommendation"] == {"1": "medusa", "4": "draft"}
+    assert out["predicted_recommendation"] == {"1": "medusa", "4": "plain"}
+
+
+def test_each_method_is_predicted_from_its_run_at_the_smallest_batch():
+    """A synthetic machine that follows the step model exactly: runs generated from it at every batch size,
+    the prediction from the batch-1 run alone must give every other size's speedup, and the crossover."""
+    from medusa.eval.step_model import predict_runs
+    from medusa.runtime.timing import Latency
+
+    def lat(b, t):
+        return 10 + 1.0 * b + 0.5 * b * t
+
+    sizes = [1, 2, 4, 8, 16, 32]
+    target = Latency([(b, t, lat(b, t)) for b in sizes for t in (1, 2, 4, 8, 16, 32)])
+    prompt, steps_plain, tau, nodes, extra = 20, 64, 2.0, 9.5, 3.0  # a fractional tree: a dynamic one
+    drafting = {b: 1 + 0.2 * b for b in sizes}
+
+    def run(b, step, steps):
+        prefill = lat(b, prompt)
+        return {"seconds": (prefill + steps * step) / 1000, "steps": steps, "batches": 1,
+                "prompt_tokens": prompt * b}
+
+    overhead = {b: 2 + 0.1 * b for b in sizes}
+    plain = {b: run(b, lat(b, 1) + overhead[b], steps_plain) for b in sizes}
+
+    def spec_step(b):  # nodes between grid points: the grid is linear in T, so interpolation is exact
+        return lat(b, nodes) + drafting[b] + overhead[b] + extra
+
+    truth = {b: plain[b]["seconds"] / run(b, spec_step(b), steps_plain / tau)["seconds"] for b in sizes}
+    got = predict_runs(target, plain, {"batch": 1, "run": run(1, spec_step(1), steps_plain / tau),
+                                       "tokens_per_pass": nodes}, drafting, sizes)
+    assert set(got) == set(sizes)
+    for b in sizes:
+        assert abs(got[b] - truth[b]) < 1e-9 * truth[b], (b, got[b], truth[b])
+    assert got[1] > 1 > got[32]  # pays alone, not in a big batch
+    # Without the method's draft curve its batch-1 draft cost stays in `extra`, constant: a worse guess
+    # than the curve, but still anchored at batch 1.
+    flat = predict_runs(target, plain, {"batch": 1, "run": run(1, spec_step(1), steps_plain / tau),
+                                        "tokens_per_pass": nodes}, None, sizes)
+    assert abs(flat[1] - truth[1]) < 1e-9 and flat[32] > truth[32]

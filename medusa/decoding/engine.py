@@ -283,6 +283,7 @@ class Engine:
         batch.stats.forward_passes += 1
         batch.stats.steps += 1
         batch.stats.row_steps += hidden.shape[0]
+        batch.stats.verified_tokens += tokens.numel()
         return new
 
     @staticmethod

@@ -13,6 +13,7 @@ class Stats:
     forward_passes: int = 0
     steps: int = 0
     row_steps: int = 0
+    verified_tokens: int = 0  # tokens the target verified, summed over row-steps (each row's root included)
     new_tokens: int = 0
     accept_hist: list[int] = field(default_factory=list)  # accept_hist[a]: row-steps accepting a candidates
 
@@ -20,6 +21,11 @@ class Stats:
     def mean_accepted(self) -> float:
         """tau: tokens produced per row per verification step (accepted candidates + the target's own)."""
         return sum((a + 1) * c for a, c in enumerate(self.accept_hist)) / max(self.row_steps, 1)
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens per row in a verification pass (1 for plain decoding; a tree's nodes + 1)."""
+        return self.verified_tokens / max(self.row_steps, 1)
 
     def acceptance_by_head(self) -> list[float]:
         """P(candidate k accepted | candidates before it accepted), k = 0 .. depth-1."""

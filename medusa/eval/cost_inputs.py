@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from medusa.decoding.feature_runner import draft_pass_ms
 from medusa.decoding.tree import load_tree
-from medusa.eval.config import EvalConfig
-from medusa.eval.costmodel import RECOMMENDABLE, alpha_from_acceptance, pays, predict
+from medusa.eval.config import HF, EvalConfig, MethodSpec
+from medusa.eval.costmodel import SPECULATIVE, alpha_from_acceptance, crossover, crossover_of, pays, predict
 from medusa.eval.methods import Methods
+from medusa.eval.step_model import predict_runs
+from medusa.runtime.proposers import MERGED
 from medusa.runtime.calibrate import load_or_measure
 from medusa.runtime.timing import Latency, measure_forward, measure_heads
 
@@ -43,12 +45,15 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
     if feature_spec is not None and acc["feature"]:
         lat["feature_draft"] = feature_drafting(methods.proposer(feature_spec), acc["feature"], cfg.batch_sizes,
                                                 cm.prefix, cm.repeats)
+    drafting = method_drafting(rt, cfg, methods, lat, cm)
     bar.close()
     model = {"model": getattr(rt.hf_model, "name_or_path", cfg.model), "device": str(rt.model.device),
              "dtype": rt.dtype.name, "prefix_tokens": cm.prefix, "latency_ms": lat,
              "calibration": str(cal.path),
              "acceptance": {k: v for k, v in acc.items() if v}}
-    return apply_measurements(predict(model, cfg.batch_sizes), results)
+    model = predict(model, cfg.batch_sizes)
+    by_method(model, Latency.from_dict(lat["target"]), results, drafting)
+    return apply_measurements(model, results)
 
 
 def feature_drafting(proposer, acc: dict, batch_sizes: list[int], prefix: int, repeats: int) -> dict:
@@ -58,6 +63,57 @@ def feature_drafting(proposer, acc: dict, batch_sizes: list[int], prefix: int, r
     acc.update(nodes=shape.nodes, depth=shape.depth, topk=shape.topk)
     return {str(b): {"catch_up": draft_pass_ms(proposer.runner, b, 2, prefix, repeats),
                      "expand": draft_pass_ms(proposer.runner, b, shape.topk, prefix, repeats)} for b in batch_sizes}
+
+
+def method_drafting(rt, cfg: EvalConfig, methods: Methods, lat: dict, cm) -> dict[str, dict[int, float]]:
+    """Per configured method, ms of its draft passes per step at each batch size, from the curves timed
+    above (a feature head's drafting at its own tree's shape, timed here for each method that drafts
+    with one); methods that draft on the host (lookup, suffix) have none."""
+    out: dict[str, dict[int, float]] = {}
+    draft = Latency.from_dict(lat["draft"]) if lat.get("draft") else None
+    heads = lat.get("heads") or {}
+    for m in cfg.methods:
+        kind = m.method.removesuffix(MERGED)
+        if kind == "medusa" and heads:
+            out[m.name] = {int(b): ms for b, ms in heads.items()}
+        elif kind == "draft" and draft is not None:
+            k = m.k or 4
+            out[m.name] = {b: draft(b, 2) + (k - 1) * draft(b, 1) for b in cfg.batch_sizes}
+        elif kind in ("feature", "auto") and rt.feature is not None:
+            proposer = methods.proposer(m if kind == "feature" else MethodSpec(method="feature"))
+            inner = getattr(proposer, "inner", proposer)  # a merged tree drafts with its inner head
+            shape = inner.shape
+            timed = feature_drafting(inner, {}, cfg.batch_sizes, cm.prefix, cm.repeats)
+            out[m.name] = {int(b): t["catch_up"] + (shape.depth - 1) * t["expand"] for b, t in timed.items()}
+    return out
+
+
+def by_method(model: dict, target: Latency, results: list[dict], drafting: dict[str, dict[int, float]]) -> None:
+    """Each speculative method's predicted speedup at every batch size from its run at the smallest one
+    (`medusa.eval.step_model`), its predicted crossover, and each kind's best method in `predicted`."""
+    rows = [r for r in results if r["kind"] not in HF and "steps" in r]
+    plain = {r["batch_size"]: r for r in rows if r["kind"] == "plain"}
+    if not plain:
+        return
+    b0 = min(plain)
+    sizes = sorted(plain)
+    per_method: dict[str, dict[int, float]] = {}
+    best: dict[tuple[str, int], float] = {}  # (kind, B) -> the best of that kind's methods
+    for r in rows:
+        if r["kind"] == "plain" or r["batch_size"] != b0:
+            continue
+        run = {"batch": b0, "run": r, "tokens_per_pass": r["tokens_per_pass"]}
+        per_method[r["method"]] = predict_runs(target, plain, run, drafting.get(r["method"]), sizes)
+        kind = r["kind"].removesuffix(MERGED)
+        for b, s in per_method[r["method"]].items():
+            best[(kind, b)] = max(s, best.get((kind, b), 0.0))
+    for (kind, b), s in best.items():  # the runs' predictions replace the latency-only ones of their kind
+        model["predicted"].setdefault(str(b), {"plain": 1.0})[kind] = s
+    model["predicted_by_method"] = {str(b): {name: p[b] for name, p in per_method.items() if b in p}
+                                    for b in sizes}
+    model["crossover_by_method"] = {name: crossover(p) for name, p in per_method.items()}
+    model["crossover"] = {kind: crossover_of(model["predicted"], kind)
+                          for kind in dict.fromkeys((*SPECULATIVE, *(k for k, _ in best)))}
 
 
 def acceptance(rt, results: list[dict], batch: int) -> dict:
@@ -79,23 +135,46 @@ def acceptance(rt, results: list[dict], batch: int) -> dict:
     return acc
 
 
+def server_kind(kind: str) -> str:
+    """The server policy's mode that runs a method of this kind: a draft model, plain decoding, or the
+    runtime's own proposer (its heads, with retrieval) for every other kind."""
+    return kind if kind in ("plain", "draft") else "medusa"
+
+
 def apply_measurements(model: dict, results: list[dict]) -> dict:
-    """Where the runs measured a batch size, the measured speedups decide its recommendation; the latency
-    model's predictions fill in the rest. A prediction is a fit of a noisy latency grid (its error is in
-    `fit.max_rel_error`); an end-to-end run at that batch size is the better witness. The predictions stay
-    in `predicted` / `predicted_recommendation`, and `recommendation_source` says which one decided."""
-    best: dict[str, tuple[float, str, str | None]] = {}
+    """The fastest method at each batch size, weighing every method this engine ran (plain included; the
+    HF anchors are references, not methods it serves): measured where the runs measured that batch size,
+    predicted elsewhere. `fastest` {B: {measured, predicted}} names them; `recommendation` gives the
+    server's mode for the measured one (the prediction where none was measured), `predicted_recommendation`
+    the mode for the predicted one. A prediction is a model of a noisy machine; a run is the better witness.
+    `recommendation_source` says which one decided."""
+    measured: dict[str, tuple[float, str, str]] = {}
     for r in results:
-        if r["kind"] in RECOMMENDABLE and r.get("speedup_vs_plain") is not None:
-            b = str(r["batch_size"])
-            if r["speedup_vs_plain"] > best.get(b, (0.0,))[0]:
-                best[b] = (r["speedup_vs_plain"], r["kind"], r.get("tree"))
+        if r["kind"] in HF or r.get("speedup_vs_plain") is None:
+            continue
+        b = str(r["batch_size"])  # plain decoding is the 1.0 every speedup is measured against
+        best = measured.setdefault(b, (1.0, "plain", "plain"))
+        if r["speedup_vs_plain"] > best[0]:
+            measured[b] = (r["speedup_vs_plain"], r["method"], r["kind"])
+    kinds = {r["method"]: r["kind"] for r in results}
+    fastest, source = {}, {}
     model["predicted_recommendation"] = dict(model["recommendation"])
-    source = {b: "predicted" for b in model["recommendation"]}
-    for b, (speedup, kind, tree) in best.items():
-        model["recommendation"][b] = kind if pays(speedup) else "plain"
-        source[b] = "measured"
-        if kind == "medusa" and tree:
-            model["best_tree"][b] = tree
-    model["recommendation_source"] = source
+    for b in model["recommendation"]:
+        options = {"plain": 1.0, **(model.get("predicted_by_method") or {}).get(b, {})}
+        predicted = max(options, key=lambda name: (options[name], name == "plain"))
+        fastest[b] = {"predicted": predicted, "predicted_speedup": options[predicted]}
+        if (model.get("predicted_by_method") or {}).get(b):
+            model["predicted_recommendation"][b] = server_kind(kinds.get(predicted, "plain"))
+        if b in measured:
+            speedup, name, kind = measured[b]
+            fastest[b].update(measured=name, measured_speedup=speedup)
+            model["recommendation"][b] = server_kind(kind) if pays(speedup) else "plain"
+            source[b] = "measured"
+            if kind == "medusa":
+                model["best_tree"][b] = next(r.get("tree") for r in results if r["method"] == name) or \
+                    model["best_tree"].get(b)
+        else:
+            model["recommendation"][b] = model["predicted_recommendation"][b]
+            source[b] = "predicted"
+    model["fastest"], model["recommendation_source"] = fastest, source
     return model

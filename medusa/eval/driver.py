@@ -24,10 +24,15 @@ class RunResult:
     accept_hist: list[int] = field(default_factory=list)
     row_steps: int = 0
     forward_passes: int = 0
+    steps: int = 0                   # verification steps, summed over the batches
+    verified_tokens: int = 0         # tokens verified per row-step, summed (Stats.verified_tokens)
+    batches: int = 0
+    prompt_tokens: int = 0
 
     @property
     def stats(self) -> Stats:
-        return Stats(forward_passes=self.forward_passes, row_steps=self.row_steps, new_tokens=self.new_tokens,
+        return Stats(forward_passes=self.forward_passes, steps=self.steps, row_steps=self.row_steps,
+                     verified_tokens=self.verified_tokens, new_tokens=self.new_tokens,
                      accept_hist=list(self.accept_hist))
 
 
@@ -68,6 +73,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], batch: int, max_new: in
 
         gen = engine.generate(chunk, max_new, proposer, params, policy, on_finish=finished)
         run.seconds += gen.seconds
+        run.batches += 1
+        run.prompt_tokens += sum(len(p) for p in chunk)
         outputs += [f.tokens for f in gen.outputs]
         finish += seconds
         _merge(run, gen.stats)
@@ -82,4 +89,6 @@ def _merge(run: RunResult, stats: Stats) -> None:
     for a, c in enumerate(stats.accept_hist):
         hist[a] += c
     run.row_steps += stats.row_steps
+    run.steps += stats.steps
+    run.verified_tokens += stats.verified_tokens
     run.forward_passes += stats.forward_passes

@@ -24,7 +24,7 @@ from medusa.eval.cost_inputs import build_cost_model
 from medusa.eval.driver import RunResult, prompts_for_batch
 from medusa.eval.methods import Methods, planned_runs
 from medusa.eval.report import write_report
-from medusa.eval.summary import measured_crossover, summaries
+from medusa.eval.summary import measured_crossover, measured_crossover_by_method, summaries
 from medusa.io import read_json, write_text_atomic
 from medusa.prompts import load_prompts
 from medusa.runtime import Runtime
@@ -91,7 +91,8 @@ def _report(rt: Runtime, cfg: EvalConfig, num_prompts: int, results: list[dict],
             if cfg.sampled else None,
             "config": cfg.model_dump(), "results": results, "cost_model": cost,
             "crossover": cost.get("crossover", {"medusa": None, "draft": None}),
-            "measured_crossover": measured_crossover(results)}
+            "measured_crossover": measured_crossover(results),
+            "measured_crossover_by_method": measured_crossover_by_method(results)}
 
 
 def _evaluate(cfg: EvalConfig, out_dir: Path, progress: bool) -> dict:

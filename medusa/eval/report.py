@@ -14,10 +14,14 @@ report.json
     cost_model: latency_ms {target, draft: {grid [[B, T, ms]], fit {a_ms, b_ms_per_row, c_ms_per_token,
         max_rel_error}}, heads {B: ms}, feature_draft {B: {catch_up, expand}}}, acceptance,
         predicted {B: {plain, medusa, feature, draft, ...}}, analytic {B: {c, speedup}},
-        recommendation {B: medusa|draft|plain}, best_tree {B: name}, best_k {B: K},
-        crossover {medusa, feature, draft}
-    crossover: {medusa: B|null, feature: B|null, draft: B|null} predicted; measured_crossover: the same
-        from the runs
+        predicted_by_method {B: {method: speedup}} (medusa.eval.step_model), crossover_by_method
+        {method: B|null}, fastest {B: {measured, measured_speedup, predicted, predicted_speedup}} (every
+        method of ours, plain included), recommendation {B: medusa|draft|plain} (the server's mode for the
+        fastest), best_tree {B: name}, best_k {B: K}, crossover {kind: B|null}
+    crossover: {kind: B|null} predicted; measured_crossover: the same from the runs;
+        measured_crossover_by_method: {method: B|null}
+    results also carry, for our methods, steps, tokens_per_pass, batches and prompt_tokens (what the
+    per-method prediction reads)
 """
 
 from __future__ import annotations
@@ -98,28 +102,62 @@ def markdown(report: dict) -> str:
                      f"{_f(r['mean_accepted'])} | {_f(r['speedup_vs_plain'])} | {acc} | "
                      f"{_mismatch(r)} |")
     cm = report.get("cost_model") or {}
-    if cm.get("predicted"):
-        measured = _best_measured(report["results"])
-        kinds = [k for k in SPECULATIVE if any(k in row for row in cm["predicted"].values())]
-        lines += ["", "## Cost model", "", _fit_line(cm), "",
-                  "| batch | " + " | ".join(f"predicted {k} | measured {k}" for k in kinds)
-                  + " | analytic draft | best tree | best K | recommendation |",
-                  "|---:|" + "---:|---:|" * len(kinds) + "---:|---|---:|---|"]
-        for b, row in cm["predicted"].items():
-            cells = [f"{_f(row.get(k))} | {_f(measured.get((k, int(b))))}" for k in kinds]
-            lines.append(f"| {b} | {' | '.join(cells)} | "
-                         f"{_f((cm.get('analytic') or {}).get(b, {}).get('speedup'))} | "
-                         f"{cm['best_tree'].get(b, '-')} | {cm['best_k'].get(b, '-')} | "
-                         f"{cm['recommendation'][b]} |")
-        mc = report.get("measured_crossover", {})
-        predicted_at = ", ".join(f"{k} {_f(report['crossover'].get(k))}" for k in kinds)
-        measured_at = ", ".join(f"{k} {_f(mc.get(k))}" for k in kinds)
-        lines += ["", f"Crossover (smallest batch size where speculation stops paying): predicted "
-                  f"{predicted_at}; measured {measured_at} (`-`: pays at every "
-                  f"size measured). The analytic column is S = E/(1 + K c) with c the draft/target decode-step "
-                  f"cost ratio: it assumes a (K+1)-token verification pass costs one decoding step, which "
-                  f"holds while a pass is bound by reading weights and fails once it is bound by compute."]
+    if cm.get("predicted_by_method"):
+        lines += ["", "## Cost model", "", _fit_line(cm), "", *_method_table(report, cm)]
+    elif cm.get("predicted"):
+        lines += ["", "## Cost model", "", _fit_line(cm), "", *_kind_table(report, cm)]
     return "\n".join(lines) + "\n"
+
+
+def _kind_table(report: dict, cm: dict) -> list[str]:
+    """Predictions by kind from the latency curve alone (a cost model without runs to anchor it)."""
+    measured = _best_measured(report["results"])
+    kinds = [k for k in SPECULATIVE if any(k in row for row in cm["predicted"].values())]
+    lines = ["| batch | " + " | ".join(f"predicted {k} | measured {k}" for k in kinds)
+             + " | analytic draft | best tree | best K | recommendation |",
+             "|---:|" + "---:|---:|" * len(kinds) + "---:|---|---:|---|"]
+    for b, row in cm["predicted"].items():
+        cells = [f"{_f(row.get(k))} | {_f(measured.get((k, int(b))))}" for k in kinds]
+        lines.append(f"| {b} | {' | '.join(cells)} | "
+                     f"{_f((cm.get('analytic') or {}).get(b, {}).get('speedup'))} | "
+                     f"{cm['best_tree'].get(b, '-')} | {cm['best_k'].get(b, '-')} | "
+                     f"{cm['recommendation'][b]} |")
+    mc = report.get("measured_crossover", {})
+    lines += ["", "Crossover (smallest batch size where speculation stops paying): predicted "
+              + ", ".join(f"{k} {_f(report['crossover'].get(k))}" for k in kinds) + "; measured "
+              + ", ".join(f"{k} {_f(mc.get(k))}" for k in kinds) + " (`-`: pays at every size measured)."]
+    return lines
+
+
+def _method_table(report: dict, cm: dict) -> list[str]:
+    """Each method's predicted and measured speedup per batch size, the fastest method, the crossovers."""
+    by_method = cm["predicted_by_method"]
+    names = list(dict.fromkeys(n for row in by_method.values() for n in row))
+    measured = {(r["method"], str(r["batch_size"])): r["speedup_vs_plain"] for r in report["results"]}
+    analytic = cm.get("analytic") or {}
+    lines = ["Predicted / measured speedup over plain decoding at each batch size; the fastest method measured "
+             "(predicted), weighing every method this engine ran, and the mode a server takes for it.", "",
+             "| batch | " + " | ".join(names) + (" | analytic draft" if analytic else "")
+             + " | fastest measured (predicted) | server mode |",
+             "|---:|" + "---:|" * len(names) + ("---:|" if analytic else "") + "---|---|"]
+    for b, row in by_method.items():
+        cells = [f"{_f(row.get(n))} / {_f(measured.get((n, b)))}" for n in names]
+        if analytic:
+            cells.append(_f(analytic.get(b, {}).get("speedup")))
+        fast = (cm.get("fastest") or {}).get(b, {})
+        cells.append(f"{fast.get('measured', '-')} ({fast.get('predicted', '-')})")
+        lines.append(f"| {b} | {' | '.join(cells)} | {cm['recommendation'].get(b, '-')} |")
+    predicted, measured_at = cm.get("crossover_by_method") or {}, report.get("measured_crossover_by_method") or {}
+    lines += ["", "Crossover (smallest batch size where the method stops paying; `-`: pays at every size "
+              "measured), predicted / measured: " + "; ".join(f"{n} {_f(predicted.get(n))} / "
+                                                           f"{_f(measured_at.get(n))}" for n in names) + ".",
+              "", "Each prediction comes from the method's own run at the smallest batch size (its tau, tree "
+              "size and host time) carried to the other sizes by the calibrated pass-latency curve and plain "
+              "decoding's measured step (medusa.eval.step_model)."
+              + (" The analytic column is S = E/(1 + K c), c the draft/target decode-step cost ratio: it "
+                 "assumes a verification pass costs one decoding step, which holds while passes are bound by "
+                 "reading weights." if analytic else "")]
+    return lines
 
 
 def _mismatch(r: dict) -> str:
@@ -192,19 +230,16 @@ def plots(report: dict, out: Path) -> list[Path]:
     written.append(_save(fig, out / "acceptance.png"))
 
     cm = report.get("cost_model") or {}
-    if cm.get("predicted"):
-        measured = _best_measured(results)
+    if cm.get("predicted_by_method"):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        sizes = sorted(int(b) for b in cm["predicted"])
-        for kind, color in zip(SPECULATIVE, ("C0", "C2", "C1")):
-            pred = [cm["predicted"][str(b)].get(kind) for b in sizes]
-            if any(p is not None for p in pred):
-                ax.plot(sizes, pred, ls="--", marker="x", color=color, label=f"{kind} predicted")
-                ax.plot(sizes, [measured.get((kind, b)) for b in sizes], marker="o", color=color,
-                        label=f"{kind} measured")
-        analytic = [(cm.get("analytic") or {}).get(str(b), {}).get("speedup") for b in sizes]
-        if any(a is not None for a in analytic):
-            ax.plot(sizes, analytic, ls=":", color="C1", label="draft analytic E/(1+Kc)")
+        sizes = sorted(int(b) for b in cm["predicted_by_method"])
+        names = list(dict.fromkeys(n for row in cm["predicted_by_method"].values() for n in row))
+        speed = {(r["method"], r["batch_size"]): r["speedup_vs_plain"] for r in results}
+        for i, name in enumerate(names):
+            color = f"C{i % 10}"
+            ax.plot(sizes, [cm["predicted_by_method"][str(b)].get(name) for b in sizes], ls="--", marker="x",
+                    color=color, label=f"{name} predicted")
+            ax.plot(sizes, [speed.get((name, b)) for b in sizes], marker="o", color=color, label=f"{name} measured")
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         _batch_axis(ax, "speedup over plain")
         written.append(_save(fig, out / "predicted_vs_measured.png"))

@@ -27,6 +27,9 @@ def summarize(m: MethodSpec, batch: int, results: list[RunResult], reference: li
                  "seconds": statistics.median(r.seconds for r in results),
                  "new_tokens": first.new_tokens, "repeats": len(results),
                  "mean_accepted": None, "acceptance_by_head": None}
+    if m.method not in HF:  # what the cost model reads: steps, tokens per pass, prefill work
+        row.update(steps=statistics.median(r.steps for r in results), tokens_per_pass=first.stats.tokens_per_pass,
+                   batches=first.batches, prompt_tokens=first.prompt_tokens)
     if m.method in OURS or m.method == "auto":
         row["mean_accepted"] = first.stats.mean_accepted
         row["acceptance_by_head"] = first.stats.acceptance_by_head()
@@ -72,10 +75,19 @@ def summaries(runs: list[tuple[int, MethodSpec]], raw: dict[tuple[int, str], lis
     return results
 
 
+def measured_crossover_by_method(results: list[dict]) -> dict:
+    """Per method of ours other than plain: the smallest batch size whose measured speedup is not above 1."""
+    speedups: dict[str, dict[int, float]] = {}
+    for r in results:
+        if r["kind"] not in HF and r["kind"] != "plain" and r.get("speedup_vs_plain") is not None:
+            speedups.setdefault(r["method"], {})[r["batch_size"]] = r["speedup_vs_plain"]
+    return {name: crossover(s) for name, s in speedups.items()}
+
+
 def measured_crossover(results: list[dict]) -> dict:
     """Per speculative method: the smallest batch size whose measured speedup is no longer above 1."""
     out: dict = {}
-    for kind in ("auto", "medusa", "feature", "draft", "lookup", "suffix"):
+    for kind in dict.fromkeys(r["kind"] for r in results if r["kind"] not in HF and r["kind"] != "plain"):
         best: dict[int, float] = {}
         for r in results:
             if r["kind"] == kind:
