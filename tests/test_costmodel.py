@@ -252,3 +252,25 @@ def test_each_method_is_predicted_from_its_run_at_the_smallest_batch():
     flat = predict_runs(target, plain, {"batch": 1, "run": run(1, spec_step(1), steps_plain / tau),
                                         "tokens_per_pass": nodes}, None, sizes)
     assert abs(flat[1] - truth[1]) < 1e-9 and flat[32] > truth[32]
+
+
+def test_auto_mode_is_predicted_by_its_plan_at_each_batch_size():
+    from medusa.eval.step_model import planned, predict_runs
+    from medusa.runtime.timing import Latency
+
+    sizes = [1, 2, 4, 8]
+    target = Latency([(b, t, 10 + b + 0.5 * b * t) for b in sizes for t in (1, 2, 4, 8, 16, 32)])
+    plain = {b: {"seconds": (64 * (11 + 1.5 * b)) / 1000, "steps": 64, "batches": 1, "prompt_tokens": 0}
+             for b in sizes}
+    # Planned: a 16-node tree alone, 8 nodes at 2 rows, a chain of 2 at 4, plain decoding at 8.
+    plans = {1: {"tokens": 17, "tau": 3.0, "draft": 2.0}, 2: {"tokens": 9, "tau": 2.5, "draft": 2.0},
+             4: {"tokens": 3, "tau": 1.8, "draft": 1.0}, 8: None}
+    # The run at batch 1 measured half its steps speculative (trees of 17 tokens in half the steps) and tau 2.
+    scaled = planned(plans, 1, tau=2.0, tokens=9.0)
+    assert scaled[8] is None and scaled[1]["tokens"] == 9.0 and scaled[1]["steps"] == 1.0
+    assert scaled[2]["tokens"] == 5.0 and abs(scaled[2]["steps"] - 2.0 / 1.75) < 1e-12  # tau 1 + 1 * 0.75
+    run = {"seconds": plain[1]["seconds"] * 0.6, "steps": 32, "batches": 1, "prompt_tokens": 0}
+    got = predict_runs(target, plain, {"batch": 1, "run": run, "tokens_per_pass": 9.0, "plan": scaled}, None, sizes)
+    assert abs(got[1] - 1 / 0.6) < 1e-9  # the anchor reproduces its measurement
+    assert got[8] == 1.0  # planned plain: it does not pay there
+    assert got[1] > got[2] > got[4]

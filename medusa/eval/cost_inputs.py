@@ -1,17 +1,19 @@
 """The cost model of an evaluation: the target's latency curve from the machine's calibration, the
-draft's, the heads' and a feature head's draft passes timed here, acceptance from the runs; predictions, then the measured speedups
-where there are some."""
+draft's, the heads' and a feature head's draft passes timed here, auto mode's plans, acceptance from the
+runs; every method's predictions, then the fastest method measured and predicted at each batch size."""
 
 from __future__ import annotations
 
+from medusa.decoding.dynamic_tree import parse_shape
 from medusa.decoding.feature_runner import draft_pass_ms
 from medusa.decoding.tree import load_tree
-from medusa.eval.config import HF, EvalConfig, MethodSpec
+from medusa.eval.config import HF, EvalConfig
 from medusa.eval.costmodel import SPECULATIVE, alpha_from_acceptance, crossover, crossover_of, pays, predict
 from medusa.eval.methods import Methods
-from medusa.eval.step_model import predict_runs
+from medusa.eval.step_model import planned, predict_runs
+from medusa.runtime.calibrate import draft_key, load_or_measure
+from medusa.runtime.gate import bucket
 from medusa.runtime.proposers import MERGED
-from medusa.runtime.calibrate import load_or_measure
 from medusa.runtime.timing import Latency, measure_forward, measure_heads
 
 
@@ -46,13 +48,14 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
         lat["feature_draft"] = feature_drafting(methods.proposer(feature_spec), acc["feature"], cfg.batch_sizes,
                                                 cm.prefix, cm.repeats)
     drafting = method_drafting(rt, cfg, methods, lat, cm)
+    plans = auto_plans(rt, cfg.batch_sizes) if any(m.method == "auto" for m in cfg.methods) else {}
     bar.close()
     model = {"model": getattr(rt.hf_model, "name_or_path", cfg.model), "device": str(rt.model.device),
              "dtype": rt.dtype.name, "prefix_tokens": cm.prefix, "latency_ms": lat,
              "calibration": str(cal.path),
              "acceptance": {k: v for k, v in acc.items() if v}}
     model = predict(model, cfg.batch_sizes)
-    by_method(model, Latency.from_dict(lat["target"]), results, drafting)
+    by_method(model, Latency.from_dict(lat["target"]), results, drafting, plans)
     return apply_measurements(model, results)
 
 
@@ -68,7 +71,7 @@ def feature_drafting(proposer, acc: dict, batch_sizes: list[int], prefix: int, r
 def method_drafting(rt, cfg: EvalConfig, methods: Methods, lat: dict, cm) -> dict[str, dict[int, float]]:
     """Per configured method, ms of its draft passes per step at each batch size, from the curves timed
     above (a feature head's drafting at its own tree's shape, timed here for each method that drafts
-    with one); methods that draft on the host (lookup, suffix) have none."""
+    with one); methods that draft on the host (lookup, suffix) have none, auto mode's follow its plans."""
     out: dict[str, dict[int, float]] = {}
     draft = Latency.from_dict(lat["draft"]) if lat.get("draft") else None
     heads = lat.get("heads") or {}
@@ -79,8 +82,8 @@ def method_drafting(rt, cfg: EvalConfig, methods: Methods, lat: dict, cm) -> dic
         elif kind == "draft" and draft is not None:
             k = m.k or 4
             out[m.name] = {b: draft(b, 2) + (k - 1) * draft(b, 1) for b in cfg.batch_sizes}
-        elif kind in ("feature", "auto") and rt.feature is not None:
-            proposer = methods.proposer(m if kind == "feature" else MethodSpec(method="feature"))
+        elif kind == "feature" and rt.feature is not None:
+            proposer = methods.proposer(m)
             inner = getattr(proposer, "inner", proposer)  # a merged tree drafts with its inner head
             shape = inner.shape
             timed = feature_drafting(inner, {}, cfg.batch_sizes, cm.prefix, cm.repeats)
@@ -88,9 +91,34 @@ def method_drafting(rt, cfg: EvalConfig, methods: Methods, lat: dict, cm) -> dic
     return out
 
 
-def by_method(model: dict, target: Latency, results: list[dict], drafting: dict[str, dict[int, float]]) -> None:
+def auto_plans(rt, batch_sizes: list[int]) -> dict[int, dict | None]:
+    """Auto mode's plan at each batch size, as `medusa generate` makes it: the planned tree's tokens per row,
+    its expected tau and its draft passes' ms from this machine's calibration (None: plain decoding)."""
+    policy = rt.auto(max(batch_sizes), progress=False)
+    if policy is None:
+        return {b: None for b in batch_sizes}
+    cal = load_or_measure(rt, [1 << i for i in range(bucket(max(batch_sizes)).bit_length())], progress=False)
+    out: dict[int, dict | None] = {}
+    for b in batch_sizes:
+        plan = policy.plan(b)
+        if plan.tree is None:
+            out[b] = None
+            continue
+        draft = 0.0  # retrieval alone drafts on the host
+        if rt.feature is not None:
+            shape, key = parse_shape(plan.tree.name), draft_key(rt.feature)
+            draft = cal.draft_ms(key, b, 2) + (shape.depth - 1) * cal.draft_ms(key, b, shape.topk)
+        elif rt.heads is not None:
+            draft = cal.heads(b)
+        out[b] = {"tokens": plan.tree.size, "tau": plan.tau, "draft": draft}
+    return out
+
+
+def by_method(model: dict, target: Latency, results: list[dict], drafting: dict[str, dict[int, float]],
+              plans: dict[int, dict | None] | None = None) -> None:
     """Each speculative method's predicted speedup at every batch size from its run at the smallest one
-    (`medusa.eval.step_model`), its predicted crossover, and each kind's best method in `predicted`."""
+    (`medusa.eval.step_model`; auto mode's following its `plans`), its predicted crossover, and each kind's
+    best method in `predicted`."""
     rows = [r for r in results if r["kind"] not in HF and "steps" in r]
     plain = {r["batch_size"]: r for r in rows if r["kind"] == "plain"}
     if not plain:
@@ -103,6 +131,8 @@ def by_method(model: dict, target: Latency, results: list[dict], drafting: dict[
         if r["kind"] == "plain" or r["batch_size"] != b0:
             continue
         run = {"batch": b0, "run": r, "tokens_per_pass": r["tokens_per_pass"]}
+        if r["kind"] == "auto" and plans:
+            run["plan"] = planned(plans, b0, r["mean_accepted"], r["tokens_per_pass"])
         per_method[r["method"]] = predict_runs(target, plain, run, drafting.get(r["method"]), sizes)
         kind = r["kind"].removesuffix(MERGED)
         for b, s in per_method[r["method"]].items():

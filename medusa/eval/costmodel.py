@@ -149,11 +149,11 @@ def predict(model: dict, batch_sizes: list[int]) -> dict:
         choice = max(RECOMMENDABLE, key=lambda m: row.get(m, 0.0))
         rec[str(b)] = choice if pays(row.get(choice, 0.0)) else "plain"
     model.update(predicted=predicted, analytic=analytic, recommendation=rec, best_tree=best_tree,
-                 best_k=best_ks, crossover={kind: _crossover_of(predicted, kind) for kind in SPECULATIVE})
+                 best_k=best_ks, crossover={kind: crossover_of(predicted, kind) for kind in SPECULATIVE})
     return model
 
 
-def _crossover_of(predicted: dict, kind: str) -> int | None:
+def crossover_of(predicted: dict, kind: str) -> int | None:
     """The crossover of one method's predictions (None where it was not predicted, or pays everywhere)."""
     speedups = {int(b): r[kind] for b, r in predicted.items() if kind in r}
     return crossover(speedups) if speedups else None

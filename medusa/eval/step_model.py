@@ -25,11 +25,14 @@ a + b*B + c*B*T elsewhere. prefill(B) is the fit at the run's mean prompt length
 
     S_m(B) = time_plain(B) / time_m(B)
 
+Auto mode plans a tree per batch size (or plain decoding); its prediction follows the plan: the planned
+tree's tokens and draft passes at each size, scaled by the share of speculative steps its run at b0 measured
+(the gate runs some steps plainly), and its tau moved as the planned tau moves; plain where it plans plain.
+
 At b0 this reproduces the measured speedup (up to the prefill estimate); every other batch size is a
 prediction. Its assumptions, which the measured columns beside it test: tau and tree size do not depend on
-the batch (true for fixed trees; auto mode and planned trees shrink their trees as the batch grows, so
-there the prediction is for the behaviour seen at b0), and the method's host-side extra does not grow with
-the batch.
+the batch for fixed trees (auto mode's follow its plan), and the method's host-side extra does not grow
+with the batch.
 """
 
 from __future__ import annotations
@@ -68,11 +71,16 @@ def predict_runs(target: Latency, plain: dict[int, dict], method: dict, drafting
     """Predicted speedup over plain at each batch size in `batch_sizes` that plain was measured at.
 
     plain: {B: run}, method: {"batch": b0, "run": run, "tokens_per_pass": T}, a run being a summary row
-    (seconds, steps, batches, prompt_tokens); drafting: {B: ms of the method's draft passes per step}."""
+    (seconds, steps, batches, prompt_tokens); drafting: {B: ms of the method's draft passes per step}.
+    A method that plans per batch size (auto mode) adds "plan": {B: {"tokens": T, "steps": steps relative
+    to b0's, "draft": ms} or None where it plans plain decoding (predicted 1.0: it does not pay there)}."""
     b0, run, tokens = method["batch"], method["run"], method["tokens_per_pass"]
     if b0 not in plain:
         return {}
+    plan = method.get("plan")
     drafting = drafting or {}
+    if plan is not None and plan.get(b0) is not None:
+        drafting = {b: p["draft"] for b, p in plan.items() if p is not None}
 
     def overhead(b: int) -> float:
         return step_ms(target, plain[b], b) - target(b, 1)
@@ -84,7 +92,32 @@ def predict_runs(target: Latency, plain: dict[int, dict], method: dict, drafting
     for b in batch_sizes:
         if b not in plain:
             continue
-        step = max(latency_at(target, b, tokens) + drafting.get(b, 0.0) + overhead(b) + extra, 1e-6)
-        time_m = prefill_ms(target, plain[b], b) + ratio * plain[b]["steps"] * step
+        t, steps = tokens, ratio
+        if plan is not None:
+            if plan.get(b) is None:
+                out[b] = 1.0
+                continue
+            t, steps = plan[b]["tokens"], ratio * plan[b]["steps"]
+        step = max(latency_at(target, b, t) + drafting.get(b, 0.0) + overhead(b) + extra, 1e-6)
+        time_m = prefill_ms(target, plain[b], b) + steps * plain[b]["steps"] * step
         out[b] = 1000 * plain[b]["seconds"] / time_m
+    return out
+
+
+def planned(plans: dict[int, dict | None], b0: int, tau: float, tokens: float) -> dict[int, dict | None]:
+    """A per-batch-size plan ({B: {"tokens", "tau", "draft"} as planned, or None for plain decoding}) scaled
+    to what the run at b0 measured: a gate that runs some steps plainly makes fewer and smaller trees than
+    planned, in the same share at every size; the measured tau moves with the planned one."""
+    p0 = plans.get(b0)
+    if p0 is None or p0["tokens"] <= 1:
+        return {b: None for b in plans}
+    share = (tokens - 1) / (p0["tokens"] - 1)  # the speculative share of the steps (tree sizes scale with it)
+    out: dict[int, dict | None] = {}
+    for b, p in plans.items():
+        if p is None:
+            out[b] = None
+            continue
+        gain = (p["tau"] - 1) / (p0["tau"] - 1) if p0["tau"] > 1 else 1.0
+        out[b] = {"tokens": 1 + share * (p["tokens"] - 1), "steps": tau / (1 + (tau - 1) * gain),
+                  "draft": share * p["draft"]}
     return out
