@@ -120,3 +120,24 @@ def test_no_heldout_prompt_is_in_a_training_source():
     held = [normalise(p) for p, _ in heldout_prompts()]
     assert len(training) > 40_000
     assert not [p for p in held if p in training]
+
+
+# ---- tau by kind in the evaluator -------------------------------------------------------------------------
+def test_per_request_counts_add_up_to_the_batch_and_group_by_kind(embedded):
+    from medusa.eval.config import MethodSpec
+    from medusa.eval.kinds import generate_tracked, tau_by_kind
+    from medusa.eval.methods import make_proposer
+
+    proposer = make_proposer(embedded, MethodSpec(method="medusa", tree="tree-8"))
+    prompts = embedded.encode(["Name three primes.", "Write a haiku about rain.", "What is 12 * 7?"])
+    done = []
+    gen, steps, made = generate_tracked(embedded.engine, prompts, 12, proposer, None, None, done.append)
+    plain = embedded.engine.generate(prompts, 12, proposer)
+    assert [f.tokens for f in gen.outputs] == [f.tokens for f in plain.outputs] and len(done) == 3
+    assert sum(steps) == gen.stats.row_steps
+    assert sum(made) == sum((a + 1) * c for a, c in enumerate(gen.stats.accept_hist))
+    by_kind = tau_by_kind(steps + steps, made + made, ["a", "b", "a"])
+    # six requests over three prompts of kinds a, b, a: requests 0, 2, 3, 5 are a, 1 and 4 are b
+    assert by_kind == {"a": round(2 * (made[0] + made[2]) / (2 * (steps[0] + steps[2])), 4),
+                       "b": round(made[1] / steps[1], 4)}
+    assert tau_by_kind([], [], ["a"]) is None

@@ -13,6 +13,7 @@ from medusa.decoding.engine import Engine, StepPolicy
 from medusa.decoding.outputs import Stats
 from medusa.decoding.proposers import Proposer
 from medusa.decoding.sampling import SamplingParams
+from medusa.eval.kinds import generate_tracked
 
 
 @dataclass
@@ -28,6 +29,8 @@ class RunResult:
     verified_tokens: int = 0         # tokens verified per row-step, summed (Stats.verified_tokens)
     batches: int = 0
     prompt_tokens: int = 0
+    request_steps: list[int] = field(default_factory=list)  # per request: verification steps it took part in
+    request_made: list[int] = field(default_factory=list)   # per request: tokens those steps produced
 
     @property
     def stats(self) -> Stats:
@@ -71,7 +74,9 @@ def run_engine(engine: Engine, prompts: list[list[int]], batch: int, max_new: in
         def finished(f, seconds=seconds, t0=t0) -> None:
             seconds[f.id] = time.perf_counter() - t0  # since its own batch started
 
-        gen = engine.generate(chunk, max_new, proposer, params, policy, on_finish=finished)
+        gen, steps, made = generate_tracked(engine, chunk, max_new, proposer, params, policy, finished)
+        run.request_steps += steps
+        run.request_made += made
         run.seconds += gen.seconds
         run.batches += 1
         run.prompt_tokens += sum(len(p) for p in chunk)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -22,11 +23,11 @@ from medusa.errors import MedusaError
 from medusa.eval.config import HF, OURS, EvalConfig, MethodSpec
 from medusa.eval.cost_inputs import build_cost_model
 from medusa.eval.driver import RunResult, prompts_for_batch
+from medusa.eval.kinds import add_tau_by_kind, eval_prompts
 from medusa.eval.methods import Methods, planned_runs
 from medusa.eval.report import write_report
 from medusa.eval.summary import measured_crossover, measured_crossover_by_method, summaries
 from medusa.io import read_json, write_text_atomic
-from medusa.prompts import load_prompts
 from medusa.runtime import Runtime
 
 
@@ -71,13 +72,7 @@ def _runtime(cfg: EvalConfig, needs_heads: bool) -> Runtime:
 
 def eval_texts(cfg: EvalConfig) -> list[str]:
     """The prompts: up to `max_prompts` from each source, in the order the sources are listed."""
-    texts = []
-    for source in cfg.sources:
-        got = load_prompts(source, cfg.max_prompts)
-        if not got:
-            raise MedusaError(f"eval config: prompts: {source} gave no prompts")
-        texts += got
-    return texts
+    return [p for p, _ in eval_prompts(cfg.sources, cfg.max_prompts)]
 
 
 def _report(rt: Runtime, cfg: EvalConfig, num_prompts: int, results: list[dict], cost: dict) -> dict:
@@ -99,8 +94,9 @@ def _evaluate(cfg: EvalConfig, out_dir: Path, progress: bool) -> dict:
     from tqdm import tqdm
 
     rt = _runtime(cfg, any(m.method in ("medusa", "medusa+suffix", "auto") for m in cfg.methods))
-    texts = eval_texts(cfg)
-    prompts = rt.encode(texts, raw=cfg.raw_prompts)
+    labelled = eval_prompts(cfg.sources, cfg.max_prompts)
+    prompts = rt.encode([p for p, _ in labelled], raw=cfg.raw_prompts)
+    kinds = [k for _, k in labelled]
     methods = Methods(rt, cfg)
     runs = planned_runs(cfg)
     for m in cfg.methods:  # build everything up front: configuration errors surface before any timing
@@ -128,8 +124,10 @@ def _evaluate(cfg: EvalConfig, out_dir: Path, progress: bool) -> dict:
             _write_partial(out_dir, runs, raw, cfg.sampled)  # a long run that dies late still leaves its measurements
     bar.close()
     results = summaries(runs, raw, cfg.sampled)
+    add_tau_by_kind(results, raw, kinds)
     cost = build_cost_model(rt, cfg, methods, results, progress) if cfg.cost_model.enabled else {}
     report = _report(rt, cfg, len(prompts), results, cost)
+    report["kinds"] = dict(Counter(kinds))
     write_report(report, out_dir)
     return report
 

@@ -10,7 +10,9 @@ report.json
         HF), speedup_vs_plain (total throughput over ours at the same batch size), greedy_mismatches
         (outputs differing from the reference: our plain for our methods, HF plain for HF's),
         first_divergence (for each differing output, the index of its first differing token); both null
-        in a sampled run
+        in a sampled run; tau_by_kind {kind: tau} (medusa.eval.kinds; null for HF)
+    kinds: {kind: prompts} of the prompt set (held-out kinds, MT-bench categories, a file's kind field, the
+        source's name); report.md then has a table of tau by kind
     cost_model: latency_ms {target, draft: {grid [[B, T, ms]], fit {a_ms, b_ms_per_row, c_ms_per_token,
         max_rel_error}}, heads {B: ms}, feature_draft {B: {catch_up, expand}}}, acceptance,
         predicted {B: {plain, medusa, feature, draft, ...}}, analytic {B: {c, speedup}},
@@ -29,6 +31,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from medusa.eval.kinds import kinds_markdown
 from medusa.eval.costmodel import SPECULATIVE
 from medusa.io import write_atomic, write_text_atomic
 
@@ -106,6 +109,7 @@ def markdown(report: dict) -> str:
         lines += ["", "## Cost model", "", _fit_line(cm), "", *_method_table(report, cm)]
     elif cm.get("predicted"):
         lines += ["", "## Cost model", "", _fit_line(cm), "", *_kind_table(report, cm)]
+    lines += kinds_markdown(report)
     return "\n".join(lines) + "\n"
 
 
