@@ -274,3 +274,20 @@ def test_auto_mode_is_predicted_by_its_plan_at_each_batch_size():
     assert abs(got[1] - 1 / 0.6) < 1e-9  # the anchor reproduces its measurement
     assert got[8] == 1.0  # planned plain: it does not pay there
     assert got[1] > got[2] > got[4]
+
+
+def test_cli_reads_an_evaluations_own_predictions(tmp_path, capsys):
+    model, sizes = synthetic_model()
+    model = predict(model, sizes)
+    model["predicted_by_method"] = {str(b): {"lookup": 1.4 / b, "feature:planned": 2.0 / b} for b in sizes}
+    model["crossover_by_method"] = {"lookup": 2, "feature:planned": 2}
+    model["fastest"] = {str(b): {"predicted": "feature:planned" if b == 1 else "plain"} for b in sizes}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"cost_model": model}))
+    assert main(["crossover", "--cost-model", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["crossover"] == {"lookup": 2, "feature:planned": 2}
+    assert data["rows"][0]["methods"] == {"lookup": 1.4, "feature:planned": 2.0}
+    assert data["rows"][0]["fastest"] == "feature:planned" and data["rows"][1]["fastest"] == "plain"
+    assert main(["crossover", "--cost-model", str(path)]) == 0
+    assert "feature:planned stops paying at batch size 2" in capsys.readouterr().out

@@ -112,12 +112,22 @@ def _crossover_from_file(args: argparse.Namespace) -> int:
     if "latency_ms" not in data:
         raise MedusaError(f"--cost-model: {path} has no 'latency_ms' (write it with `medusa eval`)")
     sizes = args.batch_sizes or sorted(int(b) for b in data.get("predicted", {})) or [1, 2, 4, 8, 16, 32, 64]
-    model = predict(data, sizes)
+    by_method = data.get("predicted_by_method") or {}  # an evaluation's runs, each method predicted from its own
+    model = predict(dict(data), sizes)
     rows = [{"batch_size": b, "medusa": model["predicted"][str(b)].get("medusa"),
              "draft": model["predicted"][str(b)].get("draft"),
              "best_tree": model["best_tree"].get(str(b)), "best_k": model["best_k"].get(str(b)),
              "regime": model["recommendation"][str(b)]} for b in sizes]
-    return _print_crossover(rows, model["crossover"], args.json)
+    if not by_method:
+        return _print_crossover(rows, model["crossover"], args.json)
+    # The evaluation's own per-method predictions and recommendation stand: the latency curve alone
+    # would drop what its runs measured (host time, tree sizes as run, auto mode's plans).
+    for row in rows:
+        b = str(row["batch_size"])
+        saved = (data.get("predicted") or {}).get(b, {})
+        row.update(medusa=saved.get("medusa"), draft=saved.get("draft"), methods=by_method.get(b, {}), regime=data.get("recommendation", {}).get(b, row["regime"]),
+                   fastest=(data.get("fastest") or {}).get(b, {}).get("predicted"))
+    return _print_crossover(rows, data.get("crossover_by_method") or {}, args.json)
 
 
 def _per_batch(values: list[float], sizes: list[int], flag: str) -> list[float]:
@@ -132,11 +142,18 @@ def _print_crossover(rows: list[dict], cross: dict, as_json: bool) -> int:
     if as_json:
         print(json.dumps({"rows": rows, "crossover": cross}))
         return 0
-    print(f"{'batch':>6} {'medusa S':>9} {'draft S':>8} {'best K':>6} {'best tree':>10}  regime")
-    for r in rows:
-        fmt = lambda x: f"{x:.3f}" if isinstance(x, float) else "-"  # noqa: E731
-        print(f"{r['batch_size']:>6} {fmt(r.get('medusa')):>9} {fmt(r.get('draft')):>8} "
-              f"{str(r.get('best_k') or '-'):>6} {str(r.get('best_tree') or '-'):>10}  {r['regime']}")
+    fmt = lambda x: f"{x:.3f}" if isinstance(x, float) else "-"  # noqa: E731
+    if any("methods" in r for r in rows):
+        names = list(dict.fromkeys(n for r in rows for n in r["methods"]))
+        print(f"{'batch':>6} " + " ".join(f"{n:>{max(len(n), 6)}}" for n in names) + "  fastest  regime")
+        for r in rows:
+            print(f"{r['batch_size']:>6} " + " ".join(f"{fmt(r['methods'].get(n)):>{max(len(n), 6)}}"
+                                                      for n in names) + f"  {r['fastest']}  {r['regime']}")
+    else:
+        print(f"{'batch':>6} {'medusa S':>9} {'draft S':>8} {'best K':>6} {'best tree':>10}  regime")
+        for r in rows:
+            print(f"{r['batch_size']:>6} {fmt(r.get('medusa')):>9} {fmt(r.get('draft')):>8} "
+                  f"{str(r.get('best_k') or '-'):>6} {str(r.get('best_tree') or '-'):>10}  {r['regime']}")
     for name, b in cross.items():
         print(f"{name} stops paying at batch size {b}" if b else f"{name} pays at every batch size listed")
     return 0
