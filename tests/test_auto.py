@@ -307,7 +307,7 @@ def test_slow_planning_closes_the_gate_at_any_batch_size(slow):
         clock = StepClock(engine, step=0.01)
         planned: set[int] = set()
 
-        def plans(rows, cost=cost, clock=clock, planned=planned):
+        def plans(rows, realised=1.0, cost=cost, clock=clock, planned=planned):
             if slow == "every call" or rows not in planned:
                 clock.now += cost
             planned.add(rows)
@@ -363,3 +363,55 @@ def test_feature_planning_reads_the_curve_and_times_nothing(tmp_path, monkeypatc
     # Draft costs between measured batch sizes are interpolated in B.
     key = calibrate.draft_key(rt.feature)
     assert min(drafted[(4, 2)], drafted[(8, 2)]) <= cal.draft_ms(key, 6, 2) <= max(drafted[(4, 2)], drafted[(8, 2)])
+
+
+# ---- the gain realised lately -------------------------------------------------------------------------
+
+
+def test_realised_share_of_the_expected_gain():
+    from medusa.runtime.auto import Realised
+
+    r = Realised()
+    for _ in range(Realised.MIN_STEPS - 1):
+        r.add(2.0, 3.0)
+    assert r.scale() == 1.0  # too few steps to judge
+    r.add(2.0, 3.0)
+    assert r.scale() == pytest.approx(0.5)  # half of the expected gain (tau - 1) delivered
+    for _ in range(Realised.WINDOW):
+        r.add(4.0, 3.0)  # more than expected: never planned above the heads' own accuracy
+    assert r.scale() == 1.0
+    for _ in range(Realised.WINDOW):
+        r.add(1.0, 3.0)  # nothing accepted: the floor, not zero (plans stay comparable)
+    assert r.scale() == pytest.approx(Realised.LOW)
+
+
+def test_plans_shrink_when_the_heads_deliver_less_than_expected():
+    cal = curve(lambda b, t: 1.0 + 0.08 * (t - 1))
+    full = plan(cal, ACC, trees(), 1)
+    half = plan(cal, ACC, trees(), 1, realised=0.5)
+    assert full.tree is not None and half.tree is not None
+    assert half.tree.size < full.tree.size and half.tau < full.tau  # the plan keeps the heads' own tau
+    assert "50% of its gain realised" in half.reason
+    assert plan(cal, ACC, trees(), 1, realised=0.2).tree is None  # a fifth of the gain pays for no tree here
+
+
+def test_auto_mode_replans_from_what_its_steps_deliver():
+    cal = curve(lambda b, t: 1.0 + 0.08 * (t - 1))
+    calls = []
+
+    def plans(rows, realised=1.0):
+        calls.append(realised)
+        return plan(cal, ACC, trees(), rows, realised)
+
+    auto = AutoSpeculation(plans, lambda t: _Marker(), 64, gate=AcceptanceGate(window=64, retry_after_steps=20))
+    first = auto.plan(1).tree
+    sizes = []
+    for _ in range(40):
+        p = auto.choose(1)
+        if p is None:
+            auto.observe(1, False, 1.0, 0.010)
+            continue
+        sizes.append(auto._chosen.tree.size)
+        auto.observe(1, True, 1 + 0.5 * (auto._chosen.tau - 1), 0.010)  # half the expected gain, and cheap
+    assert sizes[0] == first.size and sizes[-1] < first.size
+    assert auto.realised.scale() == pytest.approx(0.5) and 0.5 in calls

@@ -11,11 +11,17 @@ Candidates are the heads' own trees and greedy trees of every budget on the curv
 16-token pass costs 1.1 one-token passes gets a large tree, and one where 3 tokens already cost 2x gets a
 chain or nothing). The best candidate is used when S clears MARGIN; otherwise plain decoding. Then the
 acceptance gate (`medusa.runtime.gate`) times every step: a prediction that measures as a loss switches itself off.
+
+The heads' accuracies are measured on held-out text like their training data; on other text they accept
+less. `Realised` follows how much of the expected gain (tau - 1) the recent speculative steps delivered,
+and plans weigh every tree's gain by it (tau' = 1 + realised * (tau - 1)): text the heads know little gets
+the smaller trees (or plain decoding) that its acceptance can pay for, before the gate has to pause a loss.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -55,6 +61,33 @@ class Plan:
                 "reason": self.reason}
 
 
+class Realised:
+    """The share of the expected gain the recent speculative steps delivered: sum(measured tau - 1) over
+    sum(expected tau - 1) for the last WINDOW of them, rounded to STEP (so plans, cached per value, change
+    only on a real shift) and kept within [LOW, 1]. 1 until MIN_STEPS steps were seen: never more, since
+    text that beats the heads' held-out accuracy is served well by the plan the accuracy gives."""
+
+    WINDOW, MIN_STEPS, STEP, LOW = 32, 8, 0.1, 0.2
+
+    def __init__(self) -> None:
+        self.gains: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)
+
+    def add(self, measured_tau: float, expected_tau: float) -> None:
+        if expected_tau > 1:
+            self.gains.append((measured_tau - 1, expected_tau - 1))
+
+    def scale(self) -> float:
+        if len(self.gains) < self.MIN_STEPS:
+            return 1.0
+        share = sum(m for m, _ in self.gains) / sum(e for _, e in self.gains)
+        return round(min(max(share, self.LOW), 1.0) / self.STEP) * self.STEP
+
+
+def weighed(tau: float, realised: float) -> float:
+    """An expected tau with its gain weighed by the realised share."""
+    return 1 + realised * (tau - 1)
+
+
 def read_accuracy(heads: "MedusaHeads | FeatureHead") -> list[list[float]] | None:
     """Heads' (Medusa or feature) held-out rank accuracies, from the eval.json next to them; None when they
     were not measured."""
@@ -69,6 +102,10 @@ def read_accuracy(heads: "MedusaHeads | FeatureHead") -> list[list[float]] | Non
     return acc if isinstance(acc, list) and acc and all(isinstance(a, list) and a for a in acc) else None
 
 
+def realised_note(realised: float) -> str:
+    return f" ({realised:.0%} of its gain realised lately)" if realised < 1 else ""
+
+
 def candidate_trees(accuracy: list[list[float]], named: list[Tree], num_heads: int,
                     max_topk: int | None = None) -> list[Tree]:
     """The heads' own trees plus a greedy tree for every budget: the curve decides which size pays."""
@@ -78,18 +115,20 @@ def candidate_trees(accuracy: list[list[float]], named: list[Tree], num_heads: i
     return usable + [t for t in built if t.size > 1]
 
 
-def plan(cal: Calibration, accuracy: list[list[float]], trees: list[Tree], batch: int) -> Plan:
-    """The best predicted tree for `batch` rows, or plain decoding when none clears MARGIN."""
+def plan(cal: Calibration, accuracy: list[list[float]], trees: list[Tree], batch: int,
+         realised: float = 1.0) -> Plan:
+    """The best predicted tree for `batch` rows, or plain decoding when none clears MARGIN. `realised`
+    weighs each tree's expected gain (`Realised`); the plan's tau is the heads' own expectation."""
     one = cal.ms(batch, 1)
     heads = cal.heads(batch) / one
     best: Plan | None = None
     for tree in trees:
         tau = expected_tau(tree.nodes, accuracy)
         cost = cal.ratio(batch, tree.size) + heads
-        speedup = tau / cost
+        speedup = weighed(tau, realised) / cost
         if best is None or speedup > best.speedup:
-            best = Plan(batch, tree, speedup, tau,
-                        f"tau {tau:.2f} expected, a {tree.size}-token pass costs {cost:.2f} plain steps")
+            best = Plan(batch, tree, speedup, tau, f"tau {tau:.2f} expected{realised_note(realised)}, a "
+                                                   f"{tree.size}-token pass costs {cost:.2f} plain steps")
     if best is None:
         return Plan(batch, None, 1.0, 1.0, "no candidate trees")
     if best.speedup < MARGIN:
@@ -105,7 +144,9 @@ class AutoSpeculation(StepPolicy):
     def __init__(self, plans: Callable[[int], Plan], make_proposer: Callable[[Tree], Proposer],
                  max_tree_size: int, predicted: bool = True, gate: AcceptanceGate | None = None,
                  attach: Callable[["Batch"], None] | None = None):
-        """`predicted`: the plans come from a prediction (False: a fixed tree, judged by the gate alone);
+        """`plans(rows, realised=...)`: the plan for a number of rows, `realised` (< 1, passed only then) weighing
+        the expected gains (`Realised`); `predicted`: the plans come from a prediction (False: a fixed tree,
+        judged by the gate alone, and never weighed);
         `attach`: sets up the per-row state the planned proposers share, before a batch's prefill."""
         self._plans = plans
         self._attach = attach
@@ -118,11 +159,15 @@ class AutoSpeculation(StepPolicy):
         # same tree run fixed (AVX2 kernels, bs 1); a setting that keeps failing still backs off to 256 steps.
         self.gate = gate or AcceptanceGate(window=16, min_tau=1.0, retry_after_steps=16)
         self.steps = {"plain": 0, "speculative": 0}
+        self.realised = Realised()
+        self._chosen: Plan | None = None  # the plan of the step in flight (None: a plain step)
         self.events: list[str] = []
         self.choosing_seconds = 0.0  # time spent choosing steps (planning, building proposers)
 
     def plan(self, rows: int) -> Plan:
-        return self._plans(rows)
+        """The plan for `rows` rows, weighed by the gain realised lately (predicted plans only)."""
+        realised = self.realised.scale() if self.predicted else 1.0
+        return self._plans(rows, realised=realised) if realised < 1 else self._plans(rows)
 
     def attach(self, batch: "Batch") -> None:
         if self._attach is not None:
@@ -130,10 +175,14 @@ class AutoSpeculation(StepPolicy):
 
     def choose(self, rows: int) -> Proposer | None:
         self.gate.tick()
+        self._chosen = None
         if self.gate.paused(rows) or self.gate.needs_plain_probe(rows):
             return None  # no plan needed: a paused or probing step is plain whatever the plan says
-        p = self._plans(rows)
-        return None if p.tree is None else self.make_proposer(p.tree)
+        p = self.plan(rows)
+        if p.tree is None:
+            return None
+        self._chosen = p
+        return self.make_proposer(p.tree)
 
     def make_proposer(self, tree: Tree) -> Proposer:
         """The proposer auto mode runs for a planned `tree` (made once per tree name)."""
@@ -144,6 +193,8 @@ class AutoSpeculation(StepPolicy):
     def observe(self, rows: int, speculative: bool, tau: float, seconds: float, overhead: float = 0.0) -> None:
         self.steps["speculative" if speculative else "plain"] += 1
         self.choosing_seconds += overhead
+        if speculative and self._chosen is not None:
+            self.realised.add(tau, self._chosen.tau)
         event = self.gate.observe(rows, speculative, tau, seconds, overhead)
         if event:
             self.events.append(event)

@@ -24,7 +24,7 @@ from medusa.decoding.feature_proposer import FeatureProposer, expected_tau_dynam
 from medusa.decoding.feature_runner import HeadRunner
 from medusa.decoding.retrieval import MergedProposer
 from medusa.errors import MedusaError
-from medusa.runtime.auto import MARGIN, Plan, read_accuracy
+from medusa.runtime.auto import MARGIN, Plan, read_accuracy, realised_note, weighed
 
 if TYPE_CHECKING:
     from medusa.runtime.auto import AutoSpeculation
@@ -102,14 +102,14 @@ class _FeatureAuto:
         self._draft_ratio = functools.partial(self.cal.draft_ratio, draft_key(rt.feature))
 
     @functools.lru_cache(maxsize=None)  # noqa: B019 (one planner per runtime; plans are pure per batch size)
-    def plan(self, rows: int):
+    def plan(self, rows: int, realised: float = 1.0):
         if self.accuracy is None:
             shape = DEFAULT_SHAPE
             tree = shape.stand_in()
             self.shapes[tree.name] = shape
             return Plan(rows, tree, 0.0, 0.0, "feature head without eval.json: default dynamic tree, checked "
                                               "by measurement")
-        plan, shape = plan_shape(self.cal, self.accuracy, rows, self._draft_ratio)
+        plan, shape = plan_shape(self.cal, self.accuracy, rows, self._draft_ratio, realised=realised)
         if shape is not None:
             self.shapes[plan.tree.name] = shape
         return plan
@@ -141,9 +141,11 @@ def feature_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "Auto
     return AutoSpeculation(planner.plan, planner.make, 65, attach=planner.attach)
 
 
-def plan_shape(cal, accuracy: list[list[float]], batch: int, draft_ratio, shapes: list[TreeShape] | None = None):
+def plan_shape(cal, accuracy: list[list[float]], batch: int, draft_ratio, shapes: list[TreeShape] | None = None,
+               realised: float = 1.0):
     """The dynamic tree with the best predicted speedup at `batch` rows, or None (plain decoding):
-    speedup = tau(shape) / (ratio(B, N + 1) + catch-up + (D - 1) expansions), in one-token passes.
+    speedup = tau'(shape) / (ratio(B, N + 1) + catch-up + (D - 1) expansions), in one-token passes, with
+    tau' = 1 + realised * (tau - 1) (`medusa.runtime.auto.Realised`; the plan keeps the heads' own tau).
 
     `draft_ratio(rows, tokens)` is one head pass's cost in one-token target passes; `cal` the calibrated
     target pass-cost curve."""
@@ -155,12 +157,13 @@ def plan_shape(cal, accuracy: list[list[float]], batch: int, draft_ratio, shapes
         tau = expected_tau_dynamic(shape, accuracy)
         drafting = drafts(2) + (shape.depth - 1) * drafts(shape.topk)
         cost = passes(shape.nodes + 1) + drafting
-        speedup = tau / cost
+        speedup = weighed(tau, realised) / cost
         if best is None or speedup > best[0]:
             best = (speedup, shape, tau, cost)
     speedup, shape, tau, cost = best
     tree = shape.stand_in()
-    reason = f"tau {tau:.2f} expected, drafting and a {shape.nodes + 1}-token pass cost {cost:.2f} plain steps"
+    reason = (f"tau {tau:.2f} expected{realised_note(realised)}, drafting and a {shape.nodes + 1}-token pass cost "
+              f"{cost:.2f} plain steps")
     if speedup < MARGIN:
         return Plan(batch, None, 1.0, 1.0, f"best dynamic tree {tree.name} predicts {speedup:.2f}x (< {MARGIN}x): "
                                            f"{reason}"), None

@@ -108,7 +108,8 @@ class Runtime:
             own = [load_tree(p) for p in sorted(self.heads.trees_dir.glob("*.yaml"))] if self.heads.trees_dir else []
             trees = candidate_trees(accuracy, [default, *own], self.heads.config.num_heads,
                                     self.heads.config.candidates or None)
-            plans = functools.lru_cache(maxsize=None)(lambda rows: plan(cal, accuracy, trees, rows))
+            plans = functools.lru_cache(maxsize=None)(
+                lambda rows, realised=1.0: plan(cal, accuracy, trees, rows, realised))
         return AutoSpeculation(plans, lambda tree: MedusaProposer(self.heads, tree, projection=self.model.lm_head),
                                max(t.size for t in trees), predicted=accuracy is not None)
 
