@@ -383,7 +383,8 @@ def test_body_over_the_limit_is_413(rt):
             for _ in range(10):
                 yield b" " * 1000
 
-        r = httpx.post(url + "/v1/completions", content=chunked(), timeout=30)
+        r = httpx.post(url + "/v1/completions", content=chunked(), headers={"Content-Type": "application/json"},
+                       timeout=30)
         assert r.status_code == 413
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert _metric(metrics, 'medusa_responses_total{outcome="too_large"}') == 2
@@ -396,7 +397,8 @@ def test_bad_text_keeps_the_connection(server):
         def port(r: httpx.Response) -> int:
             return r.extensions["network_stream"].get_extra_info("client_addr")[1]
 
-        bad = http.post(server + "/v1/completions", content=b'{"model": "default", "prompt": "\\ud800"}')
+        bad = http.post(server + "/v1/completions", content=b'{"model": "default", "prompt": "\\ud800"}',
+                        headers={"Content-Type": "application/json"})
         good = http.post(server + "/v1/completions", json={"model": "default", "prompt": "hi", "max_tokens": 2})
         assert bad.status_code == 400 and good.status_code == 200
         assert port(bad) == port(good)
@@ -672,15 +674,17 @@ def test_half_sent_requests_are_closed_and_dropped_bodies_are_cancellations(rt):
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
             assert _read_all(sock) == b""  # closed by the server, without a response
         with _raw(url) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"pro")
             reply = _read_all(sock)
         assert reply.startswith(b"HTTP/1.1 408") and b"body_timeout" in reply
         with _raw(url) as sock:  # keep-alive: idle after a complete request, then closed
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert _read_all(sock).startswith(b"HTTP/1.1 200")
         before = _metric(httpx.get(url + "/metrics", timeout=10).text, 'medusa_responses_total{outcome="cancelled"}')
         with _raw(url) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"prompt\"")
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\"")
         assert _wait(lambda: _metric(httpx.get(url + "/metrics", timeout=10).text,
                                      'medusa_responses_total{outcome="cancelled"}') == before + 1, 60)
         metrics = httpx.get(url + "/metrics", timeout=10).text

@@ -5,8 +5,9 @@ Every failure is answered as {"error": {"message", "type", "param", "code"}} wit
 an API key configured, /v1/* needs `Authorization: Bearer <key>` (401 otherwise); /health and /metrics stay
 open for monitors.
 
-Input is checked at the edge, before anything reaches the engine: body size (413), JSON syntax, nesting
-depth and text encoding, then the request model's types and bounds (400). Parsing, tokenisation and chat
+Input is checked at the edge, before anything reaches the engine: framing, Host and Origin
+(`medusa.serve.edge`: 400, 403), content type (415), body size (413), UTF-8, JSON syntax, duplicate keys,
+nesting depth and text encoding, then the request model's types and bounds (400). Parsing, tokenisation and chat
 template rendering run in a worker thread, so a large prompt never holds up the event loop that writes
 every stream. An unexpected exception becomes a 500 that names a request id (the log has the traceback);
 exception text never reaches the client.
@@ -19,6 +20,7 @@ from typing import Any, AsyncIterator
 
 import anyio
 from fastapi import FastAPI, Request as HttpRequest
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -28,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from medusa.runtime import Runtime
 from medusa.serve.body import read_body
 from medusa.serve.config import ServeConfig
+from medusa.serve.edge import HostPolicy
 from medusa.serve.errors import ApiError, error_body, error_response, outcome_of
 from medusa.serve.guard import Guard
 from medusa.serve.proposers import load_draft
@@ -37,8 +40,8 @@ from medusa.serve.stream import respond
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": what} for status, what in (
-        (400, "invalid request (the field is in `param`)"), (404, "unknown model"),
-        (413, "request body too large"), (429, "request queue full (see Retry-After)"),
+        (400, "invalid request (the field is in `param`)"), (403, "Host or Origin not allowed"),
+        (404, "unknown model"), (413, "request body too large"), (415, "body not sent as application/json"), (429, "request queue full (see Retry-After)"),
         (500, "internal error (the message names a request id)"),
         (503, "no batch row within queue_timeout_s (see Retry-After)"))}
 
@@ -69,7 +72,12 @@ def create_app(cfg: ServeConfig, rt: Runtime | None = None, draft: Any = None) -
     app = App(title="medusa", lifespan=lifespan, openapi_url="/openapi.json" if docs else None,
               docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
     app.state.server = server
-    app.add_middleware(Guard, metrics=server.metrics, api_key=server.api_key)
+    hosts = HostPolicy(cfg.host, server.api_key, cfg.allowed_hosts, cfg.cors_origins)
+    app.add_middleware(Guard, metrics=server.metrics, api_key=server.api_key, hosts=hosts)
+    if cfg.cors_origins:  # outermost: preflights are answered before the key check (they carry no key)
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type", "x-request-id"],
+                           expose_headers=["x-request-id", "retry-after"])
     add_error_handlers(app)
     add_routes(app, server)
     return app

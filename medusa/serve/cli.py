@@ -49,6 +49,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="answer 408 when a request body takes longer than S seconds (default 30)")
     p.add_argument("--keepalive-timeout", dest="keepalive_timeout_s", type=float, default=None, metavar="S",
                    help="close an idle keep-alive connection after S seconds (default 5)")
+    p.add_argument("--max-header-bytes", type=int, default=None, metavar="N",
+                   help="largest request line + headers accepted, 431 beyond (default 16384)")
+    p.add_argument("--allow-host", dest="allowed_hosts", action="append", default=None, metavar="NAME",
+                   help="a further Host name accepted on a loopback server without an API key (repeatable; "
+                        "localhost, 127.0.0.1 and [::1] always are)")
+    p.add_argument("--cors-origin", dest="cors_origins", action="append", default=None, metavar="ORIGIN",
+                   help="let pages from ORIGIN (scheme://host[:port]) call the server, with CORS headers "
+                        "(repeatable; default: none, CORS off)")
     p.add_argument("--policy", default=None, choices=["dynamic", "medusa", "draft", "plain"],
                    help="speculation policy (default dynamic)")
     p.add_argument("--cost-model", default=None, help="evaluator cost-model JSON for the dynamic policy")
@@ -60,7 +68,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     keys = ("model", "heads", "draft", "datastore", "dtype", "device", "threads", "host", "port", "docs", "served_model_name",
             "max_context", "max_batch", "api_key", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s",
-            "prefill_tokens_per_step", "prefill_stall")
+            "prefill_tokens_per_step", "prefill_stall", "max_header_bytes", "allowed_hosts", "cors_origins")
     overrides = {k: getattr(args, k) for k in keys}
     overrides["retrieval"] = None if args.retrieval is None else args.retrieval == "on"
     overrides["chunked_prefill"] = None if args.chunked_prefill is None else args.chunked_prefill == "on"

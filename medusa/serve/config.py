@@ -99,6 +99,14 @@ class ServeConfig(BaseModel):
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
     keepalive_timeout_s: float = Field(5.0, gt=0)
+    # Largest request head (request line + headers) accepted, however its bytes arrive; larger gets 431.
+    max_header_bytes: int = Field(16384, ge=1024, le=1 << 20)
+    # Bound to a loopback address without an API key, requests must name this server in `Host` (localhost,
+    # 127.0.0.1, [::1], or a name listed here) and any `Origin` must be the server's own or a cors_origins
+    # entry (403 otherwise): a web page the user visits, or a DNS name rebound to 127.0.0.1, cannot use it.
+    allowed_hosts: list[str] = Field(default_factory=list)
+    # Origins (scheme://host[:port]) that pages may call this server from, with CORS headers; empty: no CORS.
+    cors_origins: list[str] = Field(default_factory=list)
     # Clients must send `Authorization: Bearer <api_key>` on /v1/* (401 otherwise); /health and /metrics stay
     # open. Unset: the MEDUSA_API_KEY environment variable, if set, is the key; else no key is needed.
     api_key: str | None = Field(None, min_length=1)

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-OUTCOME = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-           408: "client_timeout", 413: "too_large", 429: "queue_full", 499: "cancelled", 503: "unavailable"}
+OUTCOME = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
+           408: "client_timeout", 413: "too_large", 415: "unsupported_media_type", 429: "queue_full",
+           431: "headers_too_large", 499: "cancelled", 503: "unavailable"}
+# Responses counted by their code rather than their status: HTTP framing a proxy could read otherwise
+# (Transfer-Encoding with Content-Length, a bad chunk), and waiting too long for a row.
+BY_CODE = {(400, "malformed_request"): "malformed", (503, "queue_timeout"): "queue_timeout"}
 # Every label `outcome_of` can give (the metrics create them all up front, so each series starts at 0).
-OUTCOMES = ("ok", *OUTCOME.values(), "queue_timeout", "server_error", "client_error")
+OUTCOMES = ("ok", *OUTCOME.values(), *BY_CODE.values(), "server_error", "client_error")
 
 
 class ApiError(Exception):
@@ -32,6 +36,6 @@ def outcome_of(status: int, code: str | None = None) -> str:
     """The `medusa_responses_total` label of a response."""
     if 200 <= status < 300:
         return "ok"
-    if status == 503 and code == "queue_timeout":
-        return code
+    if (status, code) in BY_CODE:
+        return BY_CODE[status, code]
     return OUTCOME.get(status, "server_error" if status >= 500 else "client_error")

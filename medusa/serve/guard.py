@@ -1,4 +1,5 @@
-"""The ASGI layer in front of the routes: request ids, the API key, last-resort 500s, response counting."""
+"""The ASGI layer in front of the routes: request ids, framing, Host/Origin and API-key checks
+(`medusa.serve.edge`), last-resort 500s, response counting."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import uuid
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from medusa.serve.edge import HostPolicy, framing_problem, has_body
 from medusa.serve.errors import error_body, outcome_of
 from medusa.serve.metrics import Metrics
 
@@ -50,8 +52,10 @@ class Guard:
     client; and the connection stays usable, where the stock handler re-raises into the server), and
     counts every response by outcome."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, api_key: str | None = None):
+    def __init__(self, app: ASGIApp, metrics: Metrics, api_key: str | None = None,
+                 hosts: HostPolicy | None = None):
         self.app, self.metrics, self.api_key = app, metrics, api_key
+        self.hosts = hosts or HostPolicy("0.0.0.0", api_key, [], [])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -60,16 +64,29 @@ class Guard:
         state = scope.setdefault("state", {})
         rid = state["request_id"] = request_id_of(scope)
         status = 0
+        body_read = not has_body(scope)
+
+        async def watched() -> Message:
+            nonlocal body_read
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                body_read = True
+            return message
 
         async def tracked(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message.setdefault("headers", []).append((b"x-request-id", rid.encode()))
+                headers = message.setdefault("headers", [])
+                headers.append((b"x-request-id", rid.encode()))
+                if not body_read and (b"connection", b"close") not in headers:
+                    # Answered before the body was read (413, 415, 403, ...): the rest of it would be read
+                    # as the next request's bytes, so the connection closes with the response.
+                    headers.append((b"connection", b"close"))
             await send(message)
 
         try:
-            await self.guarded(scope, receive, tracked)
+            await self.guarded(scope, watched, tracked)
         except Exception:
             log.exception("request %s failed", rid)
             state["outcome"] = "server_error"
@@ -80,7 +97,22 @@ class Guard:
             self.metrics.responses.labels(state.get("outcome") or outcome_of(status)).inc()
 
     async def guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The app, behind the API key where one is needed."""
+        """The app, behind unambiguous framing, the Host/Origin allow-list and the API key where one is
+        needed."""
+        state = scope["state"]
+        framing = framing_problem(scope)
+        if framing is not None:
+            log.info("request %s refused: %s", state["request_id"], framing)
+            state["outcome"] = "malformed"
+            body = error_body(framing, "invalid_request_error", None, "malformed_request")
+            await JSONResponse(body, 400, headers={"Connection": "close"})(scope, receive, send)
+            return
+        refused = self.hosts.problem(scope)
+        if refused is not None:
+            log.info("request %s refused: %s", state["request_id"], refused[0])
+            body = error_body(refused[0], "invalid_request_error", None, refused[1])
+            await JSONResponse(body, 403)(scope, receive, send)
+            return
         if self.api_key and scope["path"].startswith(PROTECTED) and not bearer_ok(scope, self.api_key):
             body = error_body("missing or incorrect API key: send `Authorization: Bearer <key>`",
                               "invalid_request_error", None, "invalid_api_key")

@@ -20,7 +20,8 @@ class Metrics:
         self.rejected = Counter("medusa_requests_rejected", "Requests refused by cause", ["cause"],
                                 registry=r)
         self.responses = Counter("medusa_responses", "HTTP requests by outcome: ok, cancelled, or the error "
-                                 "kind (bad_request, unauthorized, not_found, method_not_allowed, too_large, "
+                                 "kind (bad_request, malformed, unauthorized, forbidden, not_found, "
+                                 "method_not_allowed, too_large, unsupported_media_type, headers_too_large, "
                                  "queue_full, queue_timeout, unavailable, server_error, client_error)", ["outcome"],
                                  registry=r)
         self.failures = Counter("medusa_failures", "Internal failures by stage: prefill, row (tokens of one "
