@@ -254,6 +254,26 @@ def test_retry_after_follows_the_drain_rate(rt):
     assert admission.retry_after() == 120
 
 
+def test_retry_after_is_the_drain_rate_of_the_moment(rt):
+    """A queue that drained slowly at first (a batch filling up, long prefills) and fast now: Retry-After
+    follows the rate now (it said 26 s for a queue that drained in 16 s when averaged over 30 s)."""
+    sched = app_for(rt, max_batch=2).state.server.scheduler
+    admission = sched.admission
+    now = 1000.0
+    admission.clock = lambda: now
+    sched.running = {1: None, 2: None}
+    admission.queue.extend([None] * 5)  # 6 ahead of a new request
+    admission.completions.extend([now - 30 + 2 * i for i in range(12)])  # one row every 2 s, until 8 s ago
+    admission.completions.extend([now - 4 + 0.5 * i for i in range(8)])  # two rows a second since
+    assert admission.retry_after() == 3  # 6 ahead at 2 per s (the 30 s average, 20 per 30 s, says 9)
+    admission.completions.clear()
+    admission.completions.extend([now - 29 + 3 * i for i in range(10)])  # steady: one every 3 s
+    assert admission.retry_after() == 18
+    now += 3
+    admission.freed()  # stamped with the admission's clock
+    assert admission.completions[-1] == now
+
+
 @pytest.mark.parametrize("mode", ["plain", "medusa"])
 def test_requests_joining_a_running_batch_get_their_solo_tokens(rt, tokenizer, mode):
     """Rows prefilled into a batch that is already decoding (at different step boundaries, with prompts of

@@ -15,7 +15,11 @@ from typing import Callable
 from medusa.serve.metrics import Metrics
 from medusa.serve.request import Overloaded, Request
 
-DRAIN_WINDOW_S = 30.0  # completions over this window give the drain rate behind Retry-After
+DRAIN_WINDOW_S = 30.0  # completions kept for the drain rate behind Retry-After
+# The drain rate is measured over the shortest of these trailing windows that holds DRAIN_EVIDENCE
+# completions: the rate now, not one averaged with a slower start (a long prefill, a batch filling up).
+DRAIN_SPANS_S = (5.0, 10.0, DRAIN_WINDOW_S)
+DRAIN_EVIDENCE = 4
 RETRY_AFTER_MAX_S = 120
 
 
@@ -24,9 +28,10 @@ class Admission:
     `freed`). `cond` guards the queue and is the lock the engine thread sleeps on while there is no work."""
 
     def __init__(self, metrics: Metrics, occupied: Callable[[], int], *, max_batch: int, max_queue: int,
-                 queue_timeout_s: float, chunked_prefill: bool = True):
+                 queue_timeout_s: float, chunked_prefill: bool = True, clock: Callable[[], float] = time.monotonic):
         """`occupied()`: batch rows taken now. `chunked_prefill` False: a prompt longer than a boundary's
-        budget is prefilled whole, alone."""
+        budget is prefilled whole, alone. `clock`: the time completions are stamped with (tests pass theirs)."""
+        self.clock = clock
         self.metrics, self.occupied = metrics, occupied
         self.max_batch, self.max_queue, self.queue_timeout_s = max_batch, max_queue, queue_timeout_s
         self.chunked_prefill = chunked_prefill
@@ -58,27 +63,32 @@ class Admission:
 
     def retry_after(self) -> int:
         """Seconds until a new request would likely get a row: the requests ahead of it over the rate rows
-        were freed at in the last DRAIN_WINDOW_S (from the oldest of those completions to now), clamped to
-        [1, RETRY_AFTER_MAX_S]."""
-        now = time.monotonic()
+        are being freed at now, clamped to [1, RETRY_AFTER_MAX_S]. The rate is measured over the shortest
+        trailing window (DRAIN_SPANS_S) holding DRAIN_EVIDENCE completions, from the oldest completion in it
+        to now (a burst after an idle spell drains at the burst's rate)."""
+        now = self.clock()
         with self.cond:
             ahead = len(self.queue) + 1 - max(self.max_batch - self.occupied(), 0)
             while self.completions and now - self.completions[0] > DRAIN_WINDOW_S:
                 self.completions.popleft()
-            freed = len(self.completions)
+            times = list(self.completions)
         if ahead <= 0:
             return 1
-        if freed == 0:  # nothing drained lately: no evidence of an early slot
+        if not times:  # nothing drained lately: no evidence of an early slot
             return RETRY_AFTER_MAX_S
-        # The rate over the span the window's completions cover (a burst after an idle spell drains at the
-        # burst's rate, not at the burst spread over the whole window).
-        span = max(now - self.completions[0], 1.0)
-        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(ahead * span / freed)))
+        for span_s in DRAIN_SPANS_S:
+            recent = [t for t in times if now - t <= span_s]
+            if len(recent) >= DRAIN_EVIDENCE:
+                break
+        else:
+            recent = times
+        span = max(now - recent[0], 1.0)
+        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(ahead * span / len(recent))))
 
     # ---- the engine thread, at a step boundary (under `cond`) ---------------------------------------
     def freed(self) -> None:
         """A request ended: its row (or queue entry) is free; the drain rate counts it."""
-        self.completions.append(time.monotonic())
+        self.completions.append(self.clock())
 
     def expire(self) -> tuple[list[Request], list[Request]]:
         """Take the cancelled entries and those that waited past queue_timeout_s out of the queue:
