@@ -86,6 +86,9 @@ def test_judging_records_duplicates_with_the_prompt_they_repeat(embedded, tmp_pa
     assert (again["drop"], again["like"]) == ("duplicate", 0)
     assert (near["drop"], near["like"]) == ("near_duplicate", 0)
     assert cut["drop"] == "truncated"
+    w.end_text = "[/INST]"  # a template whose user turn ends in plain text: the prompt ends there
+    closed = w.judge(4, ids("Tell me a joke about cats, please. [/INST] Why did the cat"), "length")
+    assert (closed["prompt"], closed["finish"], closed["drop"]) == ("Tell me a joke about cats, please.", "stop", None)
 
 
 # ---- writing: batched, seeded, resumable ----------------------------------------------------------------

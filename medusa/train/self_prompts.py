@@ -122,9 +122,10 @@ class SelfPromptWriter:
         self.seconds = 0.0
         after = user_turn(self.tok)[1]
         self.stops = stop_ids(self.tok, after, rt.engine.eos.tolist())
+        # A turn closed by plain text (`[/INST]`) rather than a special token: cut where that text appears.
         marker = after.strip().splitlines()[0].strip() if after.strip() else ""
-        self.end_text = marker if marker and self.tok(marker, add_special_tokens=False)["input_ids"][:1] \
-            and self.tok(marker, add_special_tokens=False)["input_ids"][0] not in self.stops else ""
+        marker_ids = self.tok(marker, add_special_tokens=False)["input_ids"] if marker else []
+        self.end_text = marker if marker_ids and marker_ids[0] not in self.stops else ""
         self.special = set(self.tok.all_special_ids) - set(self.stops)
 
     # ---- the record file -------------------------------------------------------------------------------
