@@ -37,6 +37,7 @@ from medusa.serve.admission import Admission
 from medusa.serve.metrics import Metrics
 from medusa.serve.outcomes import Outcomes, keep_logprobs
 from medusa.serve.policy import MODES, Decision, SpeculationPolicy
+from medusa.serve.memory import RELEASE_AFTER_S, MemoryGauges
 from medusa.serve.prefill import PrefillBudget
 from medusa.serve.request import Request
 
@@ -69,6 +70,7 @@ class Scheduler:
         self.steps = 0
         self.fault: str | None = None  # set while the engine is unhealthy: what failed
         self.probed_at = 0.0
+        self.memory, self.used = MemoryGauges(metrics.registry, 0), False  # used: work since the last trim
 
     @property
     def occupied(self) -> int:
@@ -81,6 +83,7 @@ class Scheduler:
 
     def start(self) -> None:
         self.batch = self.new_batch()
+        self.memory.kv.set(self.batch.cache.data.numel() * self.batch.cache.data.element_size())
         self.thread = threading.Thread(target=self._loop, name="medusa-engine", daemon=True)
         self.thread.start()
 
@@ -101,10 +104,19 @@ class Scheduler:
         torch.set_grad_enabled(False)
         while True:
             with self.admission.cond:
+                idle = False
                 while not (self.stopping or self.admission or self.running or self.prefilling or self._probe_due()):
-                    self.admission.cond.wait(timeout=0.5)
+                    # Idle RELEASE_AFTER_S after work: the step temporaries' free memory goes back.
+                    if not self.admission.cond.wait(timeout=RELEASE_AFTER_S if self.used else 0.5) and self.used:
+                        idle = True
+                        break
                 if self.stopping:
                     break
+            if idle:
+                self.used = False
+                self.memory.trim()
+                continue
+            self.used = True
             self.boundary()
         self._fail_all("server is shutting down", status=503)
 

@@ -1,0 +1,53 @@
+"""Memory given back after load: the allocator's free pages are returned when the engine goes idle after
+work, and /metrics says what the server holds (RSS, the KV cache budget, what the last trim gave back)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import httpx
+import pytest
+
+from test_serve import _metric, _wait, serve
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_free_heap_pages_pinned_by_a_live_block_are_given_back():
+    """The retention itself: blocks freed below one still in use stay resident (glibc trims only the top
+    of a heap) until malloc_trim hands them back."""
+    from medusa.serve.memory import MALLOC_TRIM, MemoryGauges, resident_bytes
+    from prometheus_client import CollectorRegistry
+
+    if MALLOC_TRIM is None:
+        pytest.skip("not glibc: no malloc_trim")
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(64 * 1024) for _ in range(3200)]  # 200 MB of blocks under the mmap threshold
+    for b in blocks:
+        ctypes.memset(b, 1, 64 * 1024)
+    for b in blocks[:-1]:
+        libc.free(b)
+    held = resident_bytes()
+    gauges = MemoryGauges(CollectorRegistry(), 0)
+    freed = gauges.trim()
+    libc.free(blocks[-1])
+    assert freed > 150 * 2**20, (held, freed)
+    assert gauges.trimmed._value.get() == freed
+
+
+def test_idle_after_load_trims_and_metrics_say_what_is_held(rt):
+    with serve(rt, policy={"mode": "plain"}, max_batch=4, max_context=256) as url:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        layers, kv_heads, head_dim = rt.model.config.num_hidden_layers, rt.model.config.num_key_value_heads, \
+            rt.model.config.hidden_size // rt.model.config.num_attention_heads
+        kv = _metric(text, "medusa_memory_kv_cache_bytes")
+        assert kv >= layers * 2 * 4 * kv_heads * 256 * head_dim * 4 and _metric(text, "medusa_memory_resident_bytes") > 0
+        assert _metric(text, "medusa_memory_trims_total") == 0  # nothing served: nothing to give back
+        for n in (1, 3):
+            r = httpx.post(url + "/v1/completions", json={"model": "default", "prompt": "word " * 100,
+                                                           "max_tokens": 4, "n": n, "temperature": 0.5}, timeout=60)
+            assert r.status_code == 200
+        trims = lambda: _metric(httpx.get(url + "/metrics", timeout=10).text, "medusa_memory_trims_total")  # noqa: E731
+        assert _wait(lambda: trims() >= 1, 60)  # once idle after the work
