@@ -19,7 +19,7 @@ BODY = json.dumps({"model": "default", "prompt": "hi", "max_tokens": 2}).encode(
 
 @pytest.fixture(scope="module")
 def url(rt):
-    with serve(rt, policy={"mode": "plain"}, max_header_bytes=16384) as url:
+    with serve(rt, policy={"mode": "plain"}) as url:  # the default head limit, 16384 bytes
         yield url
 
 
