@@ -133,8 +133,9 @@ def markdown(card: dict) -> str:
     lines = [f"# Data card: {card['name']}", "",
              f"Target `{card['model']}` ({card['dtype']}); {card.get('prompts', 0)} prompts, answers in "
              f"{card['answers']['shards']} of {card['answers']['of_shards']} shards "
-             f"({card['answers']['rows']} rows, {card['answers']['answer_tokens']} answer tokens, finish "
-             + ", ".join(f"{k} {v}" for k, v in card["answers"]["finish"].items()) + ").", "",
+             f"({card['answers']['rows']} rows, {card['answers']['answer_tokens']} answer tokens"
+             + ("; finish reasons " + ", ".join(f"{k} {v}" for k, v in card["answers"]["finish"].items())
+                if card["answers"]["finish"] else "") + ").", "",
              f"Last run: `{run['command']}` on {run['machine']}, torch {run['torch']}, {run['dtype']} "
              f"({run['started']}; {len(card['runs'])} runs in all, card.json lists them).", "",
              "| source | prompts | share | prompt tokens (median / p90 / max) | kinds |", "|---|---:|---:|---|---|"]
