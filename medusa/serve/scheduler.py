@@ -70,7 +70,8 @@ class Scheduler:
         self.steps = 0
         self.fault: str | None = None  # set while the engine is unhealthy: what failed
         self.probed_at = 0.0
-        self.memory, self.used = MemoryGauges(metrics.registry, 0), False  # used: work since the last trim
+        # used: work since the last trim (start-up's loading and calibration count: they leave free memory too)
+        self.memory, self.used = MemoryGauges(metrics.registry, 0), True
 
     @property
     def occupied(self) -> int:
