@@ -337,13 +337,15 @@ class Engine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, proposer: Proposer | None = None,
                  sampling: SamplingParams | list[SamplingParams] | None = None,
                  policy: "StepPolicy | None" = None,
-                 on_finish: Callable[[Finished], None] | None = None, seed: int | None = None) -> Generation:
+                 on_finish: Callable[[Finished], None] | None = None, seed: int | None = None,
+                 on_step: Callable[[StepOutput], None] | None = None) -> Generation:
         """Decode a fixed set of prompts to completion (the CLI's and the evaluator's entry point).
 
         With a `policy` (auto mode) the proposer is chosen per step for the current number of rows, and
         every step's tokens per row and duration are fed back to it. `on_finish` hears of each row as it
-        finishes (id: its prompt's index), e.g. to time requests. `seed` seeds the generator that sampled rows
-        without a seed of their own share."""
+        finishes (id: its prompt's index), e.g. to time requests; `on_step` of every verification step (its
+        rows' ids and accepted counts, e.g. to count acceptance per request). `seed` seeds the generator that
+        sampled rows without a seed of their own share."""
         if max_new_tokens <= 0:
             raise MedusaError(f"--max-new-tokens must be positive, got {max_new_tokens}")
         if not prompts:
@@ -369,6 +371,8 @@ class Engine:
             if not batch.n:
                 break
             out = self.policy_step(batch, proposer, policy)
+            if on_step is not None:
+                on_step(out)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start

@@ -5,17 +5,13 @@ figure, from the same timed runs."""
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from typing import Callable
 
-import torch
-
 from medusa.decoding.engine import Engine, StepPolicy
-from medusa.decoding.outputs import Finished, Generation
+from medusa.decoding.outputs import Finished, Generation, StepOutput
 from medusa.decoding.proposers import Proposer
 from medusa.decoding.sampling import SamplingParams
-from medusa.decoding.transformer import cache_capacity
 from medusa.errors import MedusaError
 from medusa.prompts import load_kinded_prompts
 
@@ -34,31 +30,16 @@ def eval_prompts(sources: list[str], limit: int) -> list[tuple[str, str]]:
 def generate_tracked(engine: Engine, prompts: list[list[int]], max_new: int, proposer: Proposer | None,
                      sampling: list[SamplingParams] | None, policy: StepPolicy | None,
                      on_finish: Callable[[Finished], None]) -> tuple[Generation, list[int], list[int]]:
-    """`Engine.generate` (a fixed set of prompts decoded to completion), also returning each request's
-    verification steps and the tokens those steps produced (accepted candidates + 1, before EOS cuts)."""
-    extra = policy.max_tree_size if policy is not None else proposer.tree.size if proposer is not None else 1
-    batch = engine.new_batch(len(prompts), cache_capacity(max(len(p) for p in prompts), max_new, extra), max_new)
+    """`Engine.generate`, also returning each request's verification steps and the tokens those steps
+    produced (accepted candidates + 1, before EOS cuts)."""
     steps, made = [0] * len(prompts), [0] * len(prompts)
-    results: dict[int, Finished] = {}
-    start = time.perf_counter()
-    for source in (proposer, policy):
-        if source is not None:
-            source.attach(batch)
-    out = engine.add(batch, list(range(len(prompts))), prompts, max_new, sampling)
-    while True:
-        for f in out.finished:
-            results[f.id] = f
-            on_finish(f)
-        if not batch.n:
-            break
-        out = engine.policy_step(batch, proposer, policy)
+
+    def count(out: StepOutput) -> None:
         for i, a in zip(out.ids, out.accepted_list):
             steps[i] += 1
             made[i] += a + 1
-    if engine.model.device.type == "cuda":
-        torch.cuda.synchronize()
-    mode = "auto" if policy is not None else proposer.name if proposer is not None else "plain"
-    gen = Generation([results[i] for i in range(len(prompts))], batch.stats, time.perf_counter() - start, mode)
+
+    gen = engine.generate(prompts, max_new, proposer, sampling, policy, on_finish=on_finish, on_step=count)
     return gen, steps, made
 
 
