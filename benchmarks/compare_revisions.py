@@ -7,7 +7,8 @@
 Checks the base revision out into a temporary git worktree, then runs `medusa bench` (same arguments, this
 interpreter) alternately in the worktree and in this checkout, `--rounds` times each, so that whatever else
 the machine is doing weighs on both alike. Reports each method's tokens per second per round, the medians,
-and the median over rounds of this checkout's speed over the base's.
+and the median over rounds of this checkout's speed over the base's; with `--batch-sizes` in the bench
+arguments, default flags and plain decoding at each batch size too, and their ratio.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ def bench(where: Path, args: list[str], out: Path) -> tuple[dict[str, float], di
     subprocess.run([sys.executable, "-m", "medusa.cli", "bench", *args, "--json", str(out)], cwd=where, env=env,
                    check=True, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
-    return report["tokens_per_s"], report["machine"]
+    speeds = dict(report["tokens_per_s"])
+    for b, row in (report.get("batched") or {}).items():  # `--batch-sizes`: default flags and plain per size
+        speeds.update({f"bs{b} plain": row["plain"], f"bs{b} auto": row["auto"],
+                       f"bs{b} auto/plain": row["auto"] / row["plain"]})
+    return speeds, report["machine"]
 
 
 def main() -> None:
