@@ -50,6 +50,12 @@ def mixed_prompts(batch: int, vocab: int = 97, seed: int = 1) -> list[list[int]]
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def accepted_drafts(stats) -> int:
+    """Draft tokens accepted over a run (`Stats.accept_hist`): an equality with plain decoding says something
+    about speculation only where this is above zero."""
+    return sum(a * c for a, c in enumerate(stats.accept_hist))
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos=None) -> list[int]:
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import hf_greedy, mixed_prompts, random_heads, tiny_model
+from conftest import accepted_drafts, hf_greedy, mixed_prompts, random_heads, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
 from medusa.decoding.proposers import MedusaProposer, Proposal, Proposer
@@ -26,6 +26,7 @@ def test_medusa_with_candidate_vocabulary_matches_plain():
     plain = engine.generate(prompts, MAX_NEW)
     spec = engine.generate(prompts, MAX_NEW, MedusaProposer(heads, DEEP_TREE))
     assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
+    assert accepted_drafts(spec.stats) > 0  # the restricted heads' drafts took part
 
 
 class OracleProposer(Proposer):

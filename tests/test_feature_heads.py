@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import hf_greedy, mixed_prompts, tiny_model, without_gate
+from conftest import accepted_drafts, hf_greedy, mixed_prompts, tiny_model, without_gate
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
 from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig, read_kind
@@ -58,12 +58,13 @@ def test_greedy_matches_plain_batched(small, batch_size, style):
 @pytest.mark.parametrize("shape", [TreeShape(1, 1, 1), TreeShape(4, 4, 1), TreeShape(16, 3, 4),
                                    TreeShape(32, 6, 4)])
 def test_tree_shapes_match_hf_generate(shape):
-    model = tiny_model("qwen2")
+    model = tiny_model("qwen2", vocab=31)  # small enough that the random head's drafts are accepted
     engine = Engine(Transformer(model), eos_token_ids=None)
-    prompts = mixed_prompts(3, seed=7)
-    ids = torch.arange(0, 97, 3)  # a draft vocabulary of every third id
+    prompts = mixed_prompts(3, vocab=31, seed=7)
+    ids = torch.arange(0, 31, 3)  # a draft vocabulary of every third id
     spec = engine.generate(prompts, 16, FeatureProposer(random_head(model, draft_ids=ids), engine.model, shape))
     assert [o.tokens for o in spec.outputs] == [hf_greedy(model, p, 16) for p in prompts]
+    assert accepted_drafts(spec.stats) > 0, shape  # drafts of this shape were accepted
 
 
 def test_draft_vocabulary_maps_back_to_full_ids(small):
@@ -403,17 +404,59 @@ def test_data_limit_takes_the_first_distilled_prompts(tiny_run, tmp_path):
     assert [len(g) for _, g in first] == [10] and first[0][1] == every[0][1][:10]
 
 
-def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path):
+class Crash(Exception):
+    """The end of a training process between two checkpoints."""
+
+
+def crash_after(monkeypatch, step: int) -> None:
+    """The next feature-head training run stops right after `step` (as `MEDUSA_TRAIN_KILL_AFTER_STEP` kills
+    a process there): what it did since its last checkpoint is lost."""
+    from medusa.train import feature
+
+    def fault(at: int) -> None:
+        if at == step:
+            raise Crash(at)
+
+    monkeypatch.setattr(feature, "fault_injection", fault)
+
+
+def steps_taken(monkeypatch) -> list[int]:
+    """The training steps the runs from now on take, in order."""
+    from medusa.train import feature
+
+    taken: list[int] = []
+    monkeypatch.setattr(feature, "fault_injection", taken.append)
+    return taken
+
+
+def same_head(a, b) -> bool:
+    """Two runs' heads are the same, bit for bit."""
+    from safetensors.torch import load_file
+
+    x, y = (load_file(str(run / "head" / "feature_head.safetensors")) for run in (a, b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path, monkeypatch):
+    """A run that ends after step 7 (its last checkpoint: step 5) and is run again resumes and ends on the head
+    the uninterrupted run reaches, bit for bit (one process, the same threads: the same sums in the same
+    order); the head learned, evaluates and decodes losslessly."""
     from medusa.train.feature import run_feature_training
     from transformers import AutoModelForCausalLM
 
     root, model_dir, data = tiny_run
     run = tmp_path / "run"
-    first = run_feature_training(_feature_config(root, model_dir, data, run, max_steps=5), progress=False)
-    assert first["step"] == 5 and (run / "checkpoints" / "step-00000005").is_dir()
+    config = lambda run: _feature_config(root, model_dir, data, run, measure_tau_prompts=0)  # noqa: E731
+    crash_after(monkeypatch, 7)
+    with pytest.raises(Crash):
+        run_feature_training(config(run), progress=False)
+    assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-00000005"]
     assert len(list((run / "features").glob("*.safetensors"))) == 2  # 16 sequences in chunks of 8
-    done = run_feature_training(_feature_config(root, model_dir, data, run), progress=False)
-    assert done["step"] == 18 and done["trained_tokens"] > first["trained_tokens"]
+    taken = steps_taken(monkeypatch)
+    done = run_feature_training(config(run), progress=False)
+    assert done["step"] == 18 and taken == list(range(6, 19))  # resumed after step 5
+    straight = run_feature_training(config(tmp_path / "straight"), progress=False)
+    assert straight["trained_tokens"] == done["trained_tokens"] and same_head(run, tmp_path / "straight")
     report = json.loads((run / "head" / "eval.json").read_text())
     # Measured at eval_steps (6) draft steps, deeper than the 2 it trained: auto mode plans depth from them.
     assert len(report["rank_accuracy"]) == 6 and report["examples"] == 4  # 2 held out of each chunk
@@ -443,33 +486,31 @@ def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path):
         export(run / "head", tmp_path / "eagle3", "eagle3")
 
 
-def test_training_continues_from_a_checkpoint_made_elsewhere(tiny_run, tmp_path):
+def test_training_continues_from_a_checkpoint_made_elsewhere(tiny_run, tmp_path, monkeypatch):
     """`--resume PATH` (resume_from): a new run directory starting from another run's checkpoint (say one
-    committed on another machine) reaches exactly the head that continuing in place reaches."""
-    from safetensors.torch import load_file
-
+    committed on another machine) reaches exactly the head that continuing in place reaches, and the head of
+    the same run uninterrupted."""
     from medusa.train.feature import run_feature_training
 
     root, model_dir, data = tiny_run
+    config = lambda run, **kw: _feature_config(root, model_dir, data, run, max_steps=8,  # noqa: E731
+                                               measure_tau_prompts=0, **kw)
     first = tmp_path / "first"
-    run_feature_training(_feature_config(root, model_dir, data, first, max_steps=5), progress=False)
+    crash_after(monkeypatch, 7)
+    with pytest.raises(Crash):
+        run_feature_training(config(first), progress=False)
     moved = tmp_path / "moved"
     shutil.copytree(first / "checkpoints" / "step-00000005", moved)  # the committed state, elsewhere
-    elsewhere = run_feature_training(_feature_config(root, model_dir, data, tmp_path / "elsewhere", max_steps=8,
-                                                     resume_from=str(moved)), progress=False)
-    in_place = run_feature_training(_feature_config(root, model_dir, data, first, max_steps=8), progress=False)
-    assert elsewhere["step"] == in_place["step"] == 8
-    assert elsewhere["trained_tokens"] == in_place["trained_tokens"]
-    a = load_file(str(tmp_path / "elsewhere" / "head" / "feature_head.safetensors"))
-    b = load_file(str(first / "head" / "feature_head.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    fresh = run_feature_training(_feature_config(root, model_dir, data, tmp_path / "fresh", max_steps=8),
-                                 progress=False)
-    c = load_file(str(tmp_path / "fresh" / "head" / "feature_head.safetensors"))
-    assert not all(torch.equal(a[k], c[k]) for k in a)  # 8 steps from scratch end elsewhere: the state was used
+    taken = steps_taken(monkeypatch)
+    elsewhere = run_feature_training(config(tmp_path / "elsewhere", resume_from=str(moved)), progress=False)
+    assert taken == [6, 7, 8]  # the state was used
+    in_place = run_feature_training(config(first), progress=False)
+    straight = run_feature_training(config(tmp_path / "straight"), progress=False)
+    assert elsewhere["step"] == in_place["step"] == straight["step"] == 8
+    assert elsewhere["trained_tokens"] == in_place["trained_tokens"] == straight["trained_tokens"]
+    assert same_head(tmp_path / "elsewhere", first) and same_head(first, tmp_path / "straight")
     with pytest.raises(MedusaError, match="resume_from"):
-        run_feature_training(_feature_config(root, model_dir, data, tmp_path / "bad", max_steps=8,
-                                             resume_from=str(tmp_path / "nothing")), progress=False)
+        run_feature_training(config(tmp_path / "bad", resume_from=str(tmp_path / "nothing")), progress=False)
 
 
 def test_cached_feature_rows_stay_in_their_files_and_read_as_built(tmp_path):
@@ -514,14 +555,15 @@ def test_a_run_resumed_on_more_data_keeps_its_draft_vocabulary(tiny_run, tmp_pat
     from medusa.train.feature import evaluate_saved, run_feature_training
 
     root, model_dir, data = tiny_run
-    few = _feature_config(root, model_dir, data, tmp_path / "few", max_steps=5)
+    few = _feature_config(root, model_dir, data, tmp_path / "few", max_steps=5, measure_tau_prompts=0)
     few.data.limit = 6
     run_feature_training(few, progress=False)
     grown = tmp_path / "grown"
-    report = run_feature_training(_feature_config(root, model_dir, data, grown, max_steps=6,
+    report = run_feature_training(_feature_config(root, model_dir, data, grown, max_steps=6, measure_tau_prompts=0,
                                                   resume_from=str(tmp_path / "few")), progress=False)["eval"]
     fresh = tmp_path / "fresh"
-    run_feature_training(_feature_config(root, model_dir, data, fresh, max_steps=1), progress=False)
+    run_feature_training(_feature_config(root, model_dir, data, fresh, max_steps=1, measure_tau_prompts=0),
+                         progress=False)
     ids = {name: load_file(str(run / "head" / "feature_head.safetensors"))["draft_ids"]
            for name, run in [("few", tmp_path / "few"), ("grown", grown), ("fresh", fresh)]}
     assert not torch.equal(ids["few"], ids["fresh"])  # the grown data alone picks another vocabulary

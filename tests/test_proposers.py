@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import mixed_prompts, tiny_model
+from conftest import accepted_drafts, mixed_prompts, tiny_model
 from medusa.decoding.draft import DraftModel, DraftProposer
 from medusa.decoding.dynamic_tree import MedusaDynamicProposer, TreeShape
 from medusa.decoding.engine import Engine
@@ -18,8 +18,11 @@ from medusa.runtime import Runtime
 from medusa.runtime.proposers import MODES, ProposerSpec, build_proposer
 
 
+V = 13  # a small vocabulary: the text repeats itself and random drafts are accepted, so decoding tests test them
+
+
 def tiny_runtime(heads: bool = True) -> Runtime:
-    model = tiny_model()
+    model = tiny_model(vocab=V)
     medusa = None
     if heads:
         torch.manual_seed(0)
@@ -72,12 +75,13 @@ def test_draft_and_lookup(rt):
 
 
 def test_built_proposers_decode_like_plain(rt, feature_dir):
-    prompts = mixed_prompts(3, seed=7)
+    prompts = mixed_prompts(3, vocab=V, seed=7)
     plain = rt.engine.generate(prompts, 10)
     for spec, tree in [("medusa", "chain-3"), ("medusa", "dynamic-6x2"), ("draft:layers:1", None), ("lookup:4", None),
                        (f"feature:{feature_dir}", "dynamic-6x3")]:
         gen = rt.engine.generate(prompts, 10, build_proposer(rt, spec, tree))
         assert [o.tokens for o in gen.outputs] == [o.tokens for o in plain.outputs], spec
+        assert accepted_drafts(gen.stats) > 0, spec  # its drafts were accepted
 
 
 @pytest.mark.parametrize("text, kind, arg, retrieval", [

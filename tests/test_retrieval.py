@@ -5,7 +5,7 @@ lossless alone and merged, batched, with rows joining and leaving, greedy and sa
 import pytest
 import torch
 
-from conftest import mixed_prompts, random_heads, tiny_model
+from conftest import accepted_drafts, mixed_prompts, random_heads, tiny_model
 from medusa.decoding.dynamic_tree import NEG, MedusaDynamicProposer, Pool
 from medusa.decoding.engine import Engine
 from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
@@ -131,6 +131,7 @@ def test_rows_joining_and_leaving_keep_their_own_text(small):
         finish(engine.step(batch, proposer))
         admit()
     assert [got[i] for i in range(6)] == solo
+    assert accepted_drafts(batch.stats) > 0  # drafts were accepted
 
 
 def test_rejection_sampling_stays_exact_with_merged_trees():
