@@ -279,10 +279,10 @@ def test_calibrated_plans_set_watermarks_and_trees():
 
 
 def test_every_response_outcome_has_a_series_from_the_start():
-    from medusa.serve.errors import OUTCOMES, outcome_of
+    from medusa.serve.errors import BY_CODE, OUTCOMES, outcome_of
     from medusa.serve.metrics import Metrics
 
-    labels = {outcome_of(s, c) for s in range(200, 600) for c in (None, "queue_timeout")}
+    labels = {outcome_of(s, c) for s in range(200, 600) for c in (None, *(code for _, code in BY_CODE))}
     assert labels == set(OUTCOMES)
     text = Metrics().render().decode()
     assert all(f'outcome="{o}"' in text for o in OUTCOMES)
