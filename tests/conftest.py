@@ -50,6 +50,16 @@ def mixed_prompts(batch: int, vocab: int = 97, seed: int = 1) -> list[list[int]]
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test: a tiny model's ops are too small to share, and on a busy machine two
+    threads wait for each other at every op (thousands of tiny passes ran seven times slower on two)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def accepted_drafts(stats) -> int:
     """Draft tokens accepted over a run (`Stats.accept_hist`): an equality with plain decoding says something
     about speculation only where this is above zero."""

@@ -437,7 +437,7 @@ def same_head(a, b) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
-def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path, monkeypatch):
+def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path, monkeypatch, one_thread):
     """A run that ends after step 7 (its last checkpoint: step 5) and is run again resumes and ends on the head
     the uninterrupted run reaches, bit for bit (one process, the same threads: the same sums in the same
     order); the head learned, evaluates and decodes losslessly."""
@@ -446,7 +446,7 @@ def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path, mo
 
     root, model_dir, data = tiny_run
     run = tmp_path / "run"
-    config = lambda run: _feature_config(root, model_dir, data, run, measure_tau_prompts=0)  # noqa: E731
+    config = lambda run: _feature_config(root, model_dir, data, run, measure_tau_prompts=0, threads=1)
     crash_after(monkeypatch, 7)
     with pytest.raises(Crash):
         run_feature_training(config(run), progress=False)
@@ -462,7 +462,7 @@ def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path, mo
     assert len(report["rank_accuracy"]) == 6 and report["examples"] == 4  # 2 held out of each chunk
     from medusa.train.feature import evaluate_saved
 
-    again = evaluate_saved(_feature_config(root, model_dir, data, run, eval_steps=3), run / "head")
+    again = evaluate_saved(_feature_config(root, model_dir, data, run, eval_steps=3, threads=1), run / "head")
     kept = json.loads((run / "head" / "eval.json").read_text())
     assert kept == again and len(kept["rank_accuracy"]) == 3 and kept["step"] == 18
     assert torch.allclose(torch.tensor(kept["rank_accuracy"][:2]), torch.tensor(report["rank_accuracy"][:2]))
@@ -486,15 +486,15 @@ def test_training_learns_resumes_and_writes_a_usable_head(tiny_run, tmp_path, mo
         export(run / "head", tmp_path / "eagle3", "eagle3")
 
 
-def test_training_continues_from_a_checkpoint_made_elsewhere(tiny_run, tmp_path, monkeypatch):
+def test_training_continues_from_a_checkpoint_made_elsewhere(tiny_run, tmp_path, monkeypatch, one_thread):
     """`--resume PATH` (resume_from): a new run directory starting from another run's checkpoint (say one
     committed on another machine) reaches exactly the head that continuing in place reaches, and the head of
     the same run uninterrupted."""
     from medusa.train.feature import run_feature_training
 
     root, model_dir, data = tiny_run
-    config = lambda run, **kw: _feature_config(root, model_dir, data, run, max_steps=8,  # noqa: E731
-                                               measure_tau_prompts=0, **kw)
+    config = lambda run, **kw: _feature_config(root, model_dir, data, run, max_steps=8,
+                                               measure_tau_prompts=0, threads=1, **kw)
     first = tmp_path / "first"
     crash_after(monkeypatch, 7)
     with pytest.raises(Crash):
@@ -546,7 +546,7 @@ def test_cached_feature_rows_stay_in_their_files_and_read_as_built(tmp_path):
         both.feats.rows(8, 12)
 
 
-def test_a_run_resumed_on_more_data_keeps_its_draft_vocabulary(tiny_run, tmp_path):
+def test_a_run_resumed_on_more_data_keeps_its_draft_vocabulary(tiny_run, tmp_path, one_thread):
     """Distilling more prompts changes which answer tokens are most frequent; a run resumed on the grown data
     keeps the draft vocabulary its state was trained on, with the target's lm_head rows and the token map of
     those ids (the head it evaluates is the head its files load as)."""
@@ -555,20 +555,21 @@ def test_a_run_resumed_on_more_data_keeps_its_draft_vocabulary(tiny_run, tmp_pat
     from medusa.train.feature import evaluate_saved, run_feature_training
 
     root, model_dir, data = tiny_run
-    few = _feature_config(root, model_dir, data, tmp_path / "few", max_steps=5, measure_tau_prompts=0)
+    few = _feature_config(root, model_dir, data, tmp_path / "few", max_steps=5, measure_tau_prompts=0, threads=1)
     few.data.limit = 6
     run_feature_training(few, progress=False)
     grown = tmp_path / "grown"
     report = run_feature_training(_feature_config(root, model_dir, data, grown, max_steps=6, measure_tau_prompts=0,
-                                                  resume_from=str(tmp_path / "few")), progress=False)["eval"]
+                                                  threads=1, resume_from=str(tmp_path / "few")),
+                                  progress=False)["eval"]
     fresh = tmp_path / "fresh"
-    run_feature_training(_feature_config(root, model_dir, data, fresh, max_steps=1, measure_tau_prompts=0),
-                         progress=False)
+    run_feature_training(_feature_config(root, model_dir, data, fresh, max_steps=1, measure_tau_prompts=0,
+                                         threads=1), progress=False)
     ids = {name: load_file(str(run / "head" / "feature_head.safetensors"))["draft_ids"]
            for name, run in [("few", tmp_path / "few"), ("grown", grown), ("fresh", fresh)]}
     assert not torch.equal(ids["few"], ids["fresh"])  # the grown data alone picks another vocabulary
     assert torch.equal(ids["grown"], ids["few"])
-    again = evaluate_saved(_feature_config(root, model_dir, data, grown, max_steps=6), grown / "head")
+    again = evaluate_saved(_feature_config(root, model_dir, data, grown, max_steps=6, threads=1), grown / "head")
     assert again["rank_accuracy"] == report["rank_accuracy"]
 
 

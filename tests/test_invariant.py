@@ -1,16 +1,19 @@
 """Batch invariance (`medusa.decoding.invariant`): with it on, a row's bits never depend on the pass around it,
-op by op and end to end, in bf16.
+op by op and end to end.
 
 The guarantee rests on how this machine's kernels round; `invariant.probe` measures that, and where it fails
-the flag is refused (checked here on every machine). The identity checks run where the probe passes, which
-their skip message says when it does not."""
+the flag is refused (checked here on every machine). The checks on this machine's kernels (bf16) run where
+the probe passes, and say why where it does not. The attention's own arithmetic (groups of canonical
+positions, a tree's regrouped keys) is checked on every machine too, with `InOrder` kernels: matrix products
+that sum each result in index order, the order the probe asks of the machine's kernels; end to end in fp32,
+where no rounding hides a difference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import mixed_prompts, random_heads, tiny_model
+from conftest import accepted_drafts, mixed_prompts, random_heads, tiny_model
 from medusa.decoding import invariant
 from medusa.decoding.attention import pass_mask
 from medusa.decoding.engine import Engine
@@ -19,7 +22,52 @@ from medusa.errors import MedusaError
 
 WHY = invariant.probe("cpu", torch.bfloat16)
 needs_invariance = pytest.mark.skipif(WHY is not None, reason=f"batch invariance unavailable here: {WHY}")
+
+
+def projections(dtype: torch.dtype) -> str | None:
+    """Why this CPU's projections in `dtype` round a row by the rows beside it, or None where they do not. The
+    probe checks them before the attention: a complaint about the attention alone (an AVX2 CPU, whose fp32
+    matrix products split a sum by its length) means they keep a row's bits."""
+    why = invariant.probe("cpu", dtype)
+    return None if why is None or "attention" in why else why
+
+
+def needs_projections(dtype: torch.dtype):
+    why = projections(dtype)
+    return pytest.mark.skipif(why is not None, reason=f"batch invariance unavailable here: {why}")
+
+
 H, KV, D = 9, 3, 64  # the embedded model's attention shape
+
+
+class InOrder:
+    """`torch` as `medusa.decoding.invariant` sees it, with `matmul` summing each result as one chain of
+    multiply-adds in index order (a product, then a sum, per term): kernels that keep the order the
+    attention needs, on any CPU, so the attention's own arithmetic is tested where the machine's kernels
+    do not keep it."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        acc = a[..., :, :1] * b[..., :1, :]
+        for k in range(1, a.shape[-1]):
+            acc = acc + a[..., :, k: k + 1] * b[..., k: k + 1, :]
+        return acc
+
+
+MACHINE = pytest.param("machine", marks=needs_invariance)
+
+
+@pytest.fixture
+def kernels(request, monkeypatch):
+    """This machine's kernels, or `InOrder` ones in the batch-invariant attention (on one thread: see
+    `conftest.one_thread`)."""
+    if request.param == "in-order":
+        monkeypatch.setattr(invariant, "torch", InOrder())
+        request.getfixturevalue("one_thread")
+    return request.param
 
 
 def tree_mask(parents: list[int]) -> torch.Tensor:
@@ -46,9 +94,9 @@ def attend(rows: list[tuple[torch.Tensor, torch.Tensor, int]], q: torch.Tensor, 
     return invariant.attention(q, k, v, plan, D ** -0.5)
 
 
-@needs_invariance
+@pytest.mark.parametrize("kernels", [MACHINE, "in-order"], indirect=True)
 @pytest.mark.parametrize("length", [40, 62, 63, 64, 200])
-def test_attention_gives_a_query_the_same_bits_in_every_pass(length):
+def test_attention_gives_a_query_the_same_bits_in_every_pass(kernels, length):
     """Row 0's query at position `length` + 2 with keys 0..length + 2: decoded alone, as the last token of a
     chunk among other rows, and as a tree node among siblings (its path stored out of depth order, across
     a group boundary where the length allows), alone and among rows of other lengths."""
@@ -79,7 +127,7 @@ def test_attention_gives_a_query_the_same_bits_in_every_pass(length):
         assert torch.equal(got, alone), f"{name}: max difference {(got - alone).abs().max():.3g}"
 
 
-@needs_invariance
+@needs_projections(torch.bfloat16)
 def test_projections_norms_and_logits_give_a_row_the_same_bits_among_others():
     """The bf16 layers around attention: a row alone and among 2..64 rows of others."""
     model = tiny_model(seed=2).to(torch.bfloat16)
@@ -121,55 +169,82 @@ def test_a_long_reduction_gives_a_row_the_same_bits_in_a_pass_of_hundreds_of_row
     assert w2.row_block is None
 
 
-def decode(engine: Engine, prompts: list[list[int]], limits: list[int], proposer, late: int = 0) -> list[list[int]]:
-    """Greedy tokens of each prompt decoded together, each to its own limit (rows leave as they finish);
-    the last `late` prompts join the running batch after three steps."""
+def decode(engine: Engine, prompts: list[list[int]], limits: list[int], proposer, late: int = 0):
+    """Each prompt's greedy tokens, each with its log-probability (the bits of the logits that decided it),
+    decoded together, each to its own limit (rows leave as they finish); the last `late` prompts join the
+    running batch after three steps. Returns them and the run's stats."""
     from medusa.decoding.transformer import cache_capacity
 
     capacity = cache_capacity(max(len(p) for p in prompts), max(limits), proposer.tree.size if proposer else 1)
     batch = engine.new_batch(len(prompts), capacity, max(limits))
     if proposer is not None:
         proposer.attach(batch)
+    got: dict[int, list[tuple[int, float]]] = {i: [] for i in range(len(prompts))}
+
+    def take(out) -> None:
+        for r, rid in enumerate(out.ids):
+            got[rid] += [(int(out.tokens[r, j]), float(out.logprobs.token[r, j])) for j in range(out.count_list[r])]
+
+    def add(ids: list[int]) -> None:
+        take(engine.add(batch, ids, [prompts[i] for i in ids], [limits[i] for i in ids], logprobs=[0] * len(ids)))
+
     first = len(prompts) - late
-    outs = [engine.add(batch, list(range(first)), prompts[:first], limits[:first])]
-    done: dict[int, list[int]] = {}
+    add(list(range(first)))
     for step in range(10_000):
-        for f in outs[-1].finished:
-            done[f.id] = f.tokens
-        if len(done) == len(prompts):
-            return [done[i] for i in range(len(prompts))]
         if step == 3 and late:
-            outs.append(engine.add(batch, list(range(first, len(prompts))), prompts[first:], limits[first:]))
-            continue
-        outs.append(engine.step(batch, proposer))
+            add(list(range(first, len(prompts))))
+        if not batch.n:
+            return [got[i] for i in range(len(prompts))], batch.stats
+        take(engine.step(batch, proposer))
     raise AssertionError("decoding did not finish")
 
 
-@needs_invariance
-def test_greedy_speculation_equals_plain_decoding_in_bf16_alone_and_batched():
-    """Tiny random bf16 model: each prompt's plain tokens alone equal its tokens among others (rows of other
-    lengths leaving early, one joining late) under a static Medusa tree, a dynamic tree, lookup and a draft."""
+def every_proposer(engine: Engine, model, seed: int = 5) -> dict:
+    """Plain decoding and every kind of draft: a static Medusa tree, a dynamic tree, lookup, a draft model,
+    retrieval, and trees merged with retrieval (the default: a feature head's, a Medusa head's)."""
     from medusa.decoding.draft import DraftModel, DraftProposer
-    from medusa.decoding.dynamic_tree import MedusaDynamicProposer
+    from medusa.decoding.dynamic_tree import MedusaDynamicProposer, TreeShape
+    from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
+    from medusa.decoding.feature_proposer import FeatureProposer
     from medusa.decoding.lookup import LookupProposer
     from medusa.decoding.proposers import MedusaProposer
+    from medusa.decoding.retrieval import MergedProposer, Retriever, SuffixProposer
 
-    model = tiny_model(seed=5).to(torch.bfloat16)
+    heads = random_heads(model, num_heads=3, seed=seed)
+    torch.manual_seed(seed)
+    c = model.config
+    head = FeatureHead(FeatureHeadConfig(c.hidden_size, c.vocab_size, c.vocab_size), model)
+    draft = DraftModel.of(Transformer(tiny_model(seed=9, vocab=c.vocab_size).to(model.dtype)))
+    return {"plain": None, "medusa tree": MedusaProposer(heads, "tree-8"),
+            "dynamic tree": MedusaDynamicProposer(heads, 8, 3, 3), "lookup": LookupProposer(k=4),
+            "draft": DraftProposer(draft, 3), "suffix": SuffixProposer(8, Retriever(3, 4)),
+            "feature+suffix": MergedProposer(FeatureProposer(head, engine.model, TreeShape(8, 3, 3)), Retriever(3, 4)),
+            "medusa dynamic+suffix": MergedProposer(MedusaDynamicProposer(heads, 8, 3, 3), Retriever(3, 4))}
+
+
+@pytest.mark.parametrize("kernels", [MACHINE, pytest.param("in-order", marks=needs_projections(torch.float32))],
+                         indirect=True)
+def test_greedy_speculation_equals_plain_decoding_alone_and_batched(kernels):
+    """Tiny random model, bf16 on this machine's kernels, fp32 on in-order ones (where nothing rounds a
+    difference away): each prompt's plain tokens alone, and the bits of their log-probabilities, equal its
+    tokens among others (rows of other lengths leaving early, one joining late) under every proposer, drafts
+    from the text and merged trees included; and every proposer's drafts were accepted."""
+    vocab = 13  # small: the text repeats itself, so lookup and retrieval find drafts
+    model = tiny_model(seed=5, vocab=vocab).to(torch.bfloat16 if kernels == "machine" else torch.float32)
     tr = Transformer(model)
     tr.invariant = True
     engine = Engine(tr, eos_token_ids=None)
-    heads = random_heads(model, num_heads=3, seed=5)
-    prompts = mixed_prompts(5, seed=11)
-    limits = [40, 9, 23, 40, 5]
-    alone = [decode(engine, [p], [n], None)[0] for p, n in zip(prompts, limits)]
-    draft = DraftModel.of(Transformer(tiny_model(seed=9).to(torch.bfloat16)))
-    proposers = {"plain": None, "medusa tree": MedusaProposer(heads, "tree-8"),
-                 "dynamic tree": MedusaDynamicProposer(heads, 8, 3, 3),
-                 "lookup": LookupProposer(k=4), "draft": DraftProposer(draft, 3)}
-    for name, proposer in proposers.items():
-        for order, late in (([0, 1, 2, 3, 4], 1), ([3, 0], 0), ([4, 2, 1], 1)):
-            got = decode(engine, [prompts[i] for i in order], [limits[i] for i in order], proposer, late)
+    # Prompts of 44-61 tokens: rows cross a group of GROUP = 64 canonical positions while they speculate.
+    prompts = [(p * 64)[:n] for p, n in zip(mixed_prompts(5, vocab=vocab, seed=11), (50, 58, 44, 61, 55))]
+    limits = [24, 9, 23, 24, 12]
+    alone = [decode(engine, [p], [n], None)[0][0] for p, n in zip(prompts, limits)]
+    for name, proposer in every_proposer(engine, model).items():
+        drafted = 0
+        for order, late in (([0, 1, 2, 3, 4], 1), ([4, 2, 1], 1)):  # rows leave early, one joins late
+            got, stats = decode(engine, [prompts[i] for i in order], [limits[i] for i in order], proposer, late)
             assert got == [alone[i] for i in order], f"{name}, rows {order}"
+            drafted += accepted_drafts(stats)
+        assert proposer is None or drafted > 0, name  # its drafts took part
 
 
 def test_the_flag_is_refused_where_the_kernels_do_not_keep_their_order(monkeypatch):
@@ -181,12 +256,17 @@ def test_the_flag_is_refused_where_the_kernels_do_not_keep_their_order(monkeypat
         Runtime.load("default", "none", "fp32", "cpu", batch_invariant=True)
 
 
+@needs_projections(torch.float32)  # the probe checks the projections first
 def test_the_probe_notices_a_broken_order(monkeypatch):
-    """The probe compares bits: without the regrouping of a tree's nodes it reports the difference."""
-    monkeypatch.setattr(invariant, "tail_sums", lambda *a: None)
+    """The probe compares bits: with kernels that keep the order it passes the attention, and without the
+    regrouping of a tree's nodes it reports the difference (whatever this machine's kernels do)."""
+    monkeypatch.setattr(invariant, "torch", InOrder())
     invariant.probe.cache_clear()
     try:
-        assert invariant.probe("cpu", torch.float32) is not None
+        assert "attention" not in (invariant.probe("cpu", torch.float32) or "")
+        monkeypatch.setattr(invariant, "tail_sums", lambda *a: None)
+        invariant.probe.cache_clear()
+        assert "attention" in (invariant.probe("cpu", torch.float32) or "")
     finally:
         invariant.probe.cache_clear()
 
@@ -210,8 +290,9 @@ def test_the_embedded_model_in_bf16_decodes_every_way_to_the_same_tokens(bf16_rt
     for spec, tree in (("plain", None), ("medusa", "dynamic-16x5"), ("medusa", "tree-16")):
         if spec == "medusa" and tree == "tree-16" and rt.heads is None:
             continue
-        got = [o.tokens for o in rt.engine.generate(prompts, 40, rt.proposer(spec, tree)).outputs]
-        assert got == alone, f"{spec} {tree or ''}"
+        gen = rt.engine.generate(prompts, 40, rt.proposer(spec, tree))
+        assert [o.tokens for o in gen.outputs] == alone, f"{spec} {tree or ''}"
+        assert spec == "plain" or accepted_drafts(gen.stats) > 0, f"{spec} {tree}"  # drafts took part
 
 
 def test_served_greedy_streams_do_not_depend_on_other_traffic(bf16_rt):

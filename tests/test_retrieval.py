@@ -135,6 +135,8 @@ def test_rows_joining_and_leaving_keep_their_own_text(small):
 
 
 def test_rejection_sampling_stays_exact_with_merged_trees():
+    """Seeded rows, verified by matching keyed samples; unseeded rows, verified by rejection deep in such trees:
+    `test_sampling_deep.py`."""
     from test_sampling import V as SV, chi_square_pvalue, seeded_rows, small_model
 
     model = small_model()

@@ -189,7 +189,7 @@ def _train_cli(config: Path, env_extra: dict | None = None) -> subprocess.Comple
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path):
+def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path, one_thread):
     from medusa.train.config import load_config
     from medusa.train.trainer import run_training
 
