@@ -86,7 +86,10 @@ def method_drafting(rt, cfg: EvalConfig, methods: Methods, lat: dict, cm) -> dic
             proposer = methods.proposer(m)
             inner = getattr(proposer, "inner", proposer)  # a merged tree drafts with its inner head
             shape = inner.shape
-            timed = feature_drafting(inner, {}, cfg.batch_sizes, cm.prefix, cm.repeats)
+            first = m is next(x for x in cfg.methods if x.method == "feature")
+            # The first feature method's drafting was timed above, for the latency model: not again.
+            timed = lat["feature_draft"] if first and lat.get("feature_draft") else \
+                feature_drafting(inner, {}, cfg.batch_sizes, cm.prefix, cm.repeats)
             out[m.name] = {int(b): t["catch_up"] + (shape.depth - 1) * t["expand"] for b, t in timed.items()}
     return out
 
