@@ -396,6 +396,8 @@ def test_plans_shrink_when_the_heads_deliver_less_than_expected():
 
 
 def test_auto_mode_replans_from_what_its_steps_deliver():
+    from medusa.runtime.auto import Realised
+
     cal = curve(lambda b, t: 1.0 + 0.08 * (t - 1))
     calls = []
 
@@ -415,3 +417,7 @@ def test_auto_mode_replans_from_what_its_steps_deliver():
         auto.observe(1, True, 1 + 0.5 * (auto._chosen.tau - 1), 0.010)  # half the expected gain, and cheap
     assert sizes[0] == first.size and sizes[-1] < first.size
     assert auto.realised.scale() == pytest.approx(0.5) and 0.5 in calls
+    assert auto.realised.overall() == pytest.approx(0.5)  # over the whole run: what the evaluator predicts with
+    # A share given from outside (the evaluator's, from a run) is rounded and bounded as the steps' own is.
+    assert auto.plan(1, realised=0.04).tree is None and calls[-1] == pytest.approx(Realised.LOW)
+    assert auto.plan(1, realised=1.3).tree.size == first.size

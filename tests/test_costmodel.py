@@ -274,6 +274,12 @@ def test_auto_mode_is_predicted_by_its_plan_at_each_batch_size():
     assert abs(got[1] - 1 / 0.6) < 1e-9  # the anchor reproduces its measurement
     assert got[8] == 1.0  # planned plain: it does not pay there
     assert got[1] > got[2] > got[4]
+    # Plans weighed by a realised share smaller than the run's first steps assumed: the run at batch 1 used
+    # trees of 9 tokens on average where the weighed plan has 5: every step counts as speculative, no more.
+    weighed = {1: {"tokens": 5, "tau": 2.0, "draft": 1.0}, 2: {"tokens": 3, "tau": 1.6, "draft": 1.0}, 4: None,
+               8: None}
+    scaled = planned(weighed, 1, tau=2.0, tokens=9.0)
+    assert scaled[1]["tokens"] == 5.0 and scaled[2]["tokens"] == 3.0 and scaled[4] is None
 
 
 def test_cli_reads_an_evaluations_own_predictions(tmp_path, capsys):

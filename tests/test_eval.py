@@ -140,6 +140,8 @@ def test_eval_runs_default_flags_batch_invariant_over_several_prompt_sets(tmp_pa
     from medusa.decoding.invariant import probe
 
     model_dir, heads_dir, prompts = tiny_checkpoint(tmp_path)
+    # Held-out accuracies: auto mode plans from them (and the run records the share of gain it delivered).
+    (heads_dir / "eval.json").write_text(json.dumps({"rank_accuracy": [[0.9, 0.05], [0.8, 0.1]]}))
     more = tmp_path / "more.txt"
     more.write_text("w5 w6 w7\nw1 w2 w3 w4 w5 w6\nw9\n")
     cfg = {"model": str(model_dir), "heads": str(heads_dir), "dtype": "fp32", "device": "cpu",
@@ -163,3 +165,7 @@ def test_eval_runs_default_flags_batch_invariant_over_several_prompt_sets(tmp_pa
     assert {r["batch_size"] for r in auto} == {1, 2} and all(r["kind"] == "auto" for r in auto)
     assert all(r["greedy_mismatches"] == 0 and r["mean_accepted"] >= 1.0 for r in auto)
     assert "auto" in report["measured_crossover"]
+    # Planned from accuracies, so the run says what share of the planned gain its steps delivered (if it
+    # speculated at all: a machine where no tree pays plans plain decoding throughout).
+    assert all(r.get("realised", 0.0) >= 0.0 for r in auto)
+    assert all("realised" in r for r in auto if r["mean_accepted"] > 1.0)

@@ -48,7 +48,8 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
         lat["feature_draft"] = feature_drafting(methods.proposer(feature_spec), acc["feature"], cfg.batch_sizes,
                                                 cm.prefix, cm.repeats)
     drafting = method_drafting(rt, cfg, methods, lat, cm)
-    plans = auto_plans(rt, cfg.batch_sizes) if any(m.method == "auto" for m in cfg.methods) else {}
+    b0_auto = [r for r in results if r["kind"] == "auto" and r["batch_size"] == min(cfg.batch_sizes)]
+    plans = auto_plans(rt, cfg.batch_sizes, b0_auto[0].get("realised") if b0_auto else None) if b0_auto else {}
     bar.close()
     model = {"model": getattr(rt.hf_model, "name_or_path", cfg.model), "device": str(rt.model.device),
              "dtype": rt.dtype.name, "prefix_tokens": cm.prefix, "latency_ms": lat,
@@ -94,16 +95,18 @@ def method_drafting(rt, cfg: EvalConfig, methods: Methods, lat: dict, cm) -> dic
     return out
 
 
-def auto_plans(rt, batch_sizes: list[int]) -> dict[int, dict | None]:
-    """Auto mode's plan at each batch size, as `medusa generate` makes it: the planned tree's tokens per row,
-    its expected tau and its draft passes' ms from this machine's calibration (None: plain decoding)."""
+def auto_plans(rt, batch_sizes: list[int], realised: float | None = None) -> dict[int, dict | None]:
+    """Auto mode's plan at each batch size, as `medusa generate` makes it once its steps have shown what
+    share of the expected gain they deliver (`realised`, measured by its run at the smallest batch size;
+    None: the plans before any step): the planned tree's tokens per row, its expected tau and its draft
+    passes' ms from this machine's calibration (None: plain decoding)."""
     policy = rt.auto(max(batch_sizes), progress=False)
     if policy is None:
         return {b: None for b in batch_sizes}
     cal = load_or_measure(rt, [1 << i for i in range(bucket(max(batch_sizes)).bit_length())], progress=False)
     out: dict[int, dict | None] = {}
     for b in batch_sizes:
-        plan = policy.plan(b)
+        plan = policy.plan(b, realised)
         if plan.tree is None:
             out[b] = None
             continue

@@ -31,6 +31,7 @@ class RunResult:
     prompt_tokens: int = 0
     request_steps: list[int] = field(default_factory=list)  # per request: verification steps it took part in
     request_made: list[int] = field(default_factory=list)   # per request: tokens those steps produced
+    realised: float | None = None    # auto mode: share of its plans' expected gain its steps delivered
 
     @property
     def stats(self) -> Stats:

@@ -48,7 +48,10 @@ class Methods:
         sampling = self.cfg.sampling if self.cfg.sampled else None
         if m.method == "auto":  # a fresh auto mode per run, as each `medusa generate` makes one
             policy = self.rt.auto(batch, progress=False)
-            return run_engine(self.rt.engine, prompts, batch, max_new, sampling=sampling, policy=policy)
+            result = run_engine(self.rt.engine, prompts, batch, max_new, sampling=sampling, policy=policy)
+            if policy is not None and policy.predicted:
+                result.realised = policy.realised.overall()
+            return result
         return run_engine(self.rt.engine, prompts, batch, max_new, self.proposer(m), sampling)
 
 

@@ -10,7 +10,9 @@ report.json
         HF), speedup_vs_plain (total throughput over ours at the same batch size), greedy_mismatches
         (outputs differing from the reference: our plain for our methods, HF plain for HF's),
         first_divergence (for each differing output, the index of its first differing token); both null
-        in a sampled run; tau_by_kind {kind: tau} (medusa.eval.kinds; null for HF)
+        in a sampled run; tau_by_kind {kind: tau} (medusa.eval.kinds; null for HF); realised (auto mode
+        with measured heads: the share of its plans' expected gain its steps delivered, which its
+        prediction plans with)
     kinds: {kind: prompts} of the prompt set (held-out kinds, MT-bench categories, a file's kind field, the
         source's name); report.md then has a table of tau by kind
     cost_model: latency_ms {target, draft: {grid [[B, T, ms]], fit {a_ms, b_ms_per_row, c_ms_per_token,

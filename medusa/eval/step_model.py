@@ -25,9 +25,11 @@ a + b*B + c*B*T elsewhere. prefill(B) is the fit at the run's mean prompt length
 
     S_m(B) = time_plain(B) / time_m(B)
 
-Auto mode plans a tree per batch size (or plain decoding); its prediction follows the plan: the planned
-tree's tokens and draft passes at each size, scaled by the share of speculative steps its run at b0 measured
-(the gate runs some steps plainly), and its tau moved as the planned tau moves; plain where it plans plain.
+Auto mode plans a tree per batch size (or plain decoding), weighing each tree's expected gain by the share
+its recent steps delivered (`medusa.runtime.auto.Realised`). Its prediction follows the plan it makes with
+the share its run at b0 delivered: the planned tree's tokens and draft passes at each size, scaled by the
+share of speculative steps that run measured (the gate runs some steps plainly), and its tau moved as the
+planned tau moves; plain (1.0) where it plans plain.
 
 At b0 this reproduces the measured speedup (up to the prefill estimate); every other batch size is a
 prediction. Its assumptions, which the measured columns beside it test: tau and tree size do not depend on
@@ -111,7 +113,9 @@ def planned(plans: dict[int, dict | None], b0: int, tau: float, tokens: float) -
     p0 = plans.get(b0)
     if p0 is None or p0["tokens"] <= 1:
         return {b: None for b in plans}
-    share = (tokens - 1) / (p0["tokens"] - 1)  # the speculative share of the steps (tree sizes scale with it)
+    # The speculative share of the steps (tree sizes scale with it); at most all of them: the run's first
+    # steps, before its realised share was known, may have planned larger trees than the weighed plan.
+    share = min((tokens - 1) / (p0["tokens"] - 1), 1.0)
     out: dict[int, dict | None] = {}
     for b, p in plans.items():
         if p is None:

@@ -33,6 +33,8 @@ def summarize(m: MethodSpec, batch: int, results: list[RunResult], reference: li
     if m.method in OURS or m.method == "auto":
         row["mean_accepted"] = first.stats.mean_accepted
         row["acceptance_by_head"] = first.stats.acceptance_by_head()
+        if m.method == "auto" and first.realised is not None:
+            row["realised"] = statistics.median(r.realised for r in results if r.realised is not None)
         if m.method == "draft":
             row["k"] = m.k or 4
         if m.method == "lookup":

@@ -71,16 +71,27 @@ class Realised:
 
     def __init__(self) -> None:
         self.gains: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)
+        self.total = [0.0, 0.0]  # (measured, expected) gains over every speculative step
 
     def add(self, measured_tau: float, expected_tau: float) -> None:
         if expected_tau > 1:
             self.gains.append((measured_tau - 1, expected_tau - 1))
+            self.total[0] += measured_tau - 1
+            self.total[1] += expected_tau - 1
 
     def scale(self) -> float:
         if len(self.gains) < self.MIN_STEPS:
             return 1.0
-        share = sum(m for m, _ in self.gains) / sum(e for _, e in self.gains)
-        return round(min(max(share, self.LOW), 1.0) / self.STEP) * self.STEP
+        return self.rounded(sum(m for m, _ in self.gains) / sum(e for _, e in self.gains))
+
+    @classmethod
+    def rounded(cls, share: float) -> float:
+        """A share as plans are weighed by it: within [LOW, 1], to STEP."""
+        return round(min(max(share, cls.LOW), 1.0) / cls.STEP) * cls.STEP
+
+    def overall(self) -> float | None:
+        """The share delivered over every speculative step so far (unrounded; None before any)."""
+        return self.total[0] / self.total[1] if self.total[1] > 0 else None
 
 
 def weighed(tau: float, realised: float) -> float:
@@ -164,9 +175,12 @@ class AutoSpeculation(StepPolicy):
         self.events: list[str] = []
         self.choosing_seconds = 0.0  # time spent choosing steps (planning, building proposers)
 
-    def plan(self, rows: int) -> Plan:
-        """The plan for `rows` rows, weighed by the gain realised lately (predicted plans only)."""
-        realised = self.realised.scale() if self.predicted else 1.0
+    def plan(self, rows: int, realised: float | None = None) -> Plan:
+        """The plan for `rows` rows, weighed by the gain realised lately (predicted plans only), or by a
+        given `realised` share (`Realised.rounded` applies)."""
+        if not self.predicted:
+            realised = 1.0
+        realised = self.realised.scale() if realised is None else Realised.rounded(realised)
         return self._plans(rows, realised=realised) if realised < 1 else self._plans(rows)
 
     def attach(self, batch: "Batch") -> None:
