@@ -591,10 +591,10 @@ def test_prefill_budget_spreads_admission_over_steps(rt):
     from medusa.serve.request import Request
 
     server = create_app(ServeConfig(dtype="fp32", max_batch=8, max_context=256, prefill_tokens_per_step=64,
-                                    policy={"mode": "plain"}), rt).state.server
+                                    prefix_cache=False, policy={"mode": "plain"}), rt).state.server
     sched = server.scheduler
     sched.batch = sched.new_batch()
-    lengths = [20, 20, 20, 5, 150, 10]
+    lengths = [20, 20, 20, 5, 150, 10]  # prompts sharing prefixes: the prefix cache is off to count whole chunks
     events = {n: [] for n in lengths}
     for n in lengths:
         sched.admission.submit(Request(list(range(1, n + 1)), 40, events[n].append))

@@ -11,7 +11,7 @@ moves it into slot n, where it joins the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
@@ -67,6 +67,11 @@ class Batch:
         # a step pays one dict check for the feature.
         self.logprobs: dict[Hashable, int] = {}
         self.pending: Prefill | None = None  # a prompt being prefilled in chunks, in the top slot
+        # A prefix cache's hook (`medusa.decoding.prefix_cache`), None by default: called as
+        # retain(batch, slots, ids, leaving) with rows whose committed positions' K/V it may keep: new rows
+        # once their prompts are prefilled (leaving False), rows about to leave the batch (True, before
+        # `remove` moves other rows into their slots).
+        self.retain: Callable[["Batch", list[int], list[Hashable], bool], None] | None = None
 
     @property
     def seq_len(self) -> torch.Tensor:
@@ -90,6 +95,8 @@ class Batch:
     def remove(self, ids: list[Hashable]) -> list[Finished]:
         """Drop rows (finished, cancelled) and close the gap by moving the last rows into their slots."""
         slots = sorted(self.ids.index(i) for i in ids)
+        if self.retain is not None and slots:
+            self.retain(self, slots, [self.ids[s] for s in slots], True)
         gone = set(slots)
         done = [Finished(self.ids[s], self.out[s, : int(self.out_len[s])].tolist(), "") for s in slots]
         keep_n = self.n - len(slots)

@@ -63,11 +63,14 @@ class Engine:
     @torch.inference_mode()
     def add(self, batch: Batch, ids: list[Hashable], prompts: list[list[int]],
             max_new_tokens: int | list[int], sampling: list[SamplingParams] | None = None,
-            logprobs: list[int | None] | None = None) -> StepOutput:
+            logprobs: list[int | None] | None = None, start: list[int] | None = None) -> StepOutput:
         """Prefill new rows (right-padded into one pass) and decide each row's first token.
 
         `logprobs[i]`: None, or k (0..MAX_TOP_LOGPROBS) to get row i's log-probabilities in every
-        StepOutput (the emitted token's and the k most likely)."""
+        StepOutput (the emitted token's and the k most likely).
+        `start[i]` (default 0): the first start[i] < len(prompts[i]) positions of row i (slot batch.n + i)
+        are in place already, as a prefill of them leaves them (the K/V, `batch.seq`, proposer state: a
+        prefix cache's `restore`); only the rest is prefilled, one pass per run of rows with equal starts."""
         if not prompts:
             none = torch.zeros(0, dtype=torch.long)
             return StepOutput([], torch.zeros(0, 1, dtype=torch.long), none, [], accepted=none)
@@ -75,29 +78,46 @@ class Engine:
             raise MedusaError(f"batch has room for {batch.free} more rows, {len(prompts)} requested")
         limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         self._check(batch, prompts, limits, logprobs or [])
+        k = len(prompts)
+        starts = [0] * k if start is None else list(start)
+        if len(starts) != k or any(not 0 <= s < len(p) for s, p in zip(starts, prompts)):
+            raise MedusaError(f"start positions {starts} must leave each prompt at least one token to prefill")
         dev = self.model.device
-        k, t = len(prompts), max(len(p) for p in prompts)
-        rows = slice(batch.n, batch.n + k)
-        tokens = torch.zeros(k, t, dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        plen = torch.tensor([len(p) for p in prompts], device=dev)
-        hidden = self._prefill(batch, rows, tokens, plen, 0)
-        return self._join(batch, ids, hidden[torch.arange(k, device=dev), plen - 1], limits,
+        last = []
+        a = 0
+        while a < k:  # one pass per run of rows with the same start
+            b = a + 1
+            while b < k and starts[b] == starts[a]:
+                b += 1
+            s = starts[a]
+            part = [p[s:] for p in prompts[a:b]]
+            tokens = torch.zeros(b - a, max(len(p) for p in part), dtype=torch.long, device=dev)
+            for i, p in enumerate(part):
+                tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+            plen = torch.tensor([len(p) for p in part], device=dev)
+            hidden = self._prefill(batch, slice(batch.n + a, batch.n + b), tokens, plen, s)
+            last.append(hidden[torch.arange(b - a, device=dev), plen - 1])
+            a = b
+        if batch.retain is not None:
+            batch.retain(batch, list(range(batch.n, batch.n + k)), list(ids), False)
+        return self._join(batch, ids, torch.cat(last) if len(last) > 1 else last[0], limits,
                           sampling or [GREEDY] * k, logprobs or [None] * k)
 
     def begin(self, batch: Batch, id: Hashable, prompt: list[int], max_new_tokens: int,
-              sampling: SamplingParams = GREEDY, logprobs: int | None = None) -> Prefill:
-        """Start prefilling one prompt in chunks (`advance`), in the batch's top slot: the batch's steps go
-        on meanwhile. One such prompt per batch at a time."""
+              sampling: SamplingParams = GREEDY, logprobs: int | None = None, start: int = 0) -> Prefill:
+        """Start prefilling one prompt in chunks (`advance`), in the batch's top slot (`batch.cache.rows - 1`):
+        the batch's steps go on meanwhile. One such prompt per batch at a time. `start`: positions of the
+        prompt already in place in that slot (as `add` takes them); chunks begin after them."""
         if batch.pending is not None:
             raise MedusaError(f"batch is already prefilling request {batch.pending.id!r} in chunks")
         if batch.free < 1:
             raise MedusaError("batch has no free row")
         self._check(batch, [prompt], [max_new_tokens], [logprobs])
+        if not 0 <= start < len(prompt):
+            raise MedusaError(f"start position {start} must leave the prompt at least one token to prefill")
         slot = batch.cache.rows - 1
-        batch.cache.lens[slot] = 0
-        batch.pending = Prefill(id, list(prompt), max_new_tokens, sampling, logprobs, slot)
+        batch.cache.lens[slot] = start
+        batch.pending = Prefill(id, list(prompt), max_new_tokens, sampling, logprobs, slot, done=start)
         return batch.pending
 
     @torch.inference_mode()
@@ -117,6 +137,8 @@ class Engine:
         pf = batch.pending
         if pf is None or pf.left:
             raise MedusaError("no prompt is fully prefilled and waiting to join")
+        if batch.retain is not None:
+            batch.retain(batch, [pf.slot], [pf.id], False)
         if pf.slot != batch.n:
             batch.move_rows([pf.slot], [batch.n])
         batch.pending = None

@@ -106,14 +106,16 @@ class Admission:
         self.queue = kept
         return cancelled, late
 
-    def take(self, free: int, tokens: int) -> tuple[list[Request], Request | None]:
+    def take(self, free: int, tokens: int, cost: Callable[[Request], int] | None = None
+             ) -> tuple[list[Request], Request | None]:
         """Pop what one step boundary prefills into `free` rows within `tokens` prompt tokens: queued
         requests whose prompts fit whole, or else the first one, to be prefilled in chunks (one at a time,
-        in arrival order)."""
+        in arrival order). `cost(request)`: the prompt tokens its prefill runs (default: all of them; less
+        what a prefix cache holds)."""
         chosen: list[Request] = []
         longest = 0
         while self.queue and len(chosen) < free:
-            nxt = max(longest, len(self.queue[0].prompt))
+            nxt = max(longest, cost(self.queue[0]) if cost is not None else len(self.queue[0].prompt))
             # Prompts are right-padded into one pass, so its cost is rows x longest prompt.
             if (len(chosen) + 1) * nxt > tokens:
                 break

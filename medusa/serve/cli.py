@@ -36,6 +36,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "a prefill pass takes at most --prefill-stall x a decode pass; long prompts go in chunks)")
     p.add_argument("--prefill-stall", type=float, default=None, metavar="X",
                    help="auto prefill: a prefill pass may take X times the running rows' decode pass (default 1)")
+    p.add_argument("--tpot-slo", default=None, metavar="MS|Nx",
+                   help="step time running streams keep while prompts are prefilled: ms (80ms, 80) or a multiple "
+                        "of a stream's step alone (2x); each step's prefill chunk fills the rest (default 2x)")
+    p.add_argument("--prefix-cache", default=None, choices=["on", "off"],
+                   help="reuse the K/V of prompt prefixes seen before: system prompts, earlier turns (config "
+                        "prefix_cache, default on)")
+    p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
+                   help="the prefix cache's memory budget (default: min(10%% of available memory, 2 GiB))")
     p.add_argument("--batch-invariant", default=None, choices=["on", "off"],
                    help="a request's tokens never depend on the others in its batch, in bf16 too (config "
                         "batch_invariant, default off: it costs speed)")
@@ -68,11 +76,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     keys = ("model", "heads", "draft", "datastore", "dtype", "device", "threads", "host", "port", "docs", "served_model_name",
             "max_context", "max_batch", "api_key", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s",
-            "prefill_tokens_per_step", "prefill_stall", "max_header_bytes", "allowed_hosts", "cors_origins")
+            "prefill_tokens_per_step", "prefill_stall", "max_header_bytes", "allowed_hosts", "cors_origins",
+            "tpot_slo", "prefix_cache_mb")
     overrides = {k: getattr(args, k) for k in keys}
     overrides["retrieval"] = None if args.retrieval is None else args.retrieval == "on"
     overrides["chunked_prefill"] = None if args.chunked_prefill is None else args.chunked_prefill == "on"
     overrides["batch_invariant"] = None if args.batch_invariant is None else args.batch_invariant == "on"
+    overrides["prefix_cache"] = None if args.prefix_cache is None else args.prefix_cache == "on"
     cfg = load_config(args.config, overrides)
     if args.policy or args.cost_model:
         policy = cfg.policy.model_dump()

@@ -88,8 +88,18 @@ class ServeConfig(BaseModel):
     # running streams keep their pace (inter-token latency within 1 + prefill_stall of their own); N: a fixed
     # budget of N tokens per step, shared with the decode pass's tokens.
     prefill_tokens_per_step: int | Literal["auto"] = "auto"
-    prefill_stall: float = Field(1.0, gt=0, le=100)
+    # The step-time target running streams keep while prompts are prefilled (medusa.serve.prefill): ms
+    # ("80ms", "80", 80) or a multiple of a stream's step alone ("2x"); each step's prefill chunk fills what
+    # the target leaves of it. Unset: "2x", unless prefill_stall is set (the older dial, relative to the
+    # running rows' own step; the two are exclusive).
+    tpot_slo: str | float | None = None
+    prefill_stall: float | None = Field(None, gt=0, le=100)
     chunked_prefill: bool = True  # false: a prompt longer than the budget is prefilled whole, stalling the rest
+    # Prefix cache (medusa.serve.prefix): K/V of prompt prefixes (and of finished answers) kept in blocks of
+    # prefix_cache_block tokens and reused by later prompts that start with the same tokens.
+    prefix_cache: bool = True
+    prefix_cache_mb: float | None = Field(None, gt=0)  # its budget; unset: min(10% of available memory, 2 GiB)
+    prefix_cache_block: int = Field(16, ge=1, le=4096)
     # Largest request body accepted (bytes); larger ones get 413 before they are read. 1 MiB holds any
     # prompt that fits a 2048-token context many times over.
     max_body_bytes: int = Field(1 << 20, ge=1024)
@@ -120,6 +130,22 @@ class ServeConfig(BaseModel):
     @classmethod
     def _dtype(cls, v: str) -> str:
         return check_dtype_spelling(v)
+
+    @field_validator("tpot_slo")
+    @classmethod
+    def _tpot_slo(cls, v: str | float | None) -> str | float | None:
+        if v is not None:
+            from medusa.serve.prefill import parse_tpot_slo
+
+            parse_tpot_slo(v)  # raises ValueError naming the accepted forms
+        return v
+
+    @model_validator(mode="after")
+    def _latency_dials(self) -> "ServeConfig":
+        if self.tpot_slo is not None and self.prefill_stall is not None:
+            raise ValueError("tpot_slo (--tpot-slo) and prefill_stall (--prefill-stall) both size the prefill "
+                             "chunks; set one of them")
+        return self
 
     @field_validator("prefill_tokens_per_step")
     @classmethod

@@ -80,6 +80,36 @@ class Metrics:
         self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
                                   "seconds (between a request's successive token deliveries).",
                                   buckets=LATENCY_BUCKETS, registry=r)
+        # The prefix cache (medusa.serve.prefix): lookups and hits counted per prompt, tokens per position.
+        self.prefix_lookups = Counter("medusa_prefix_cache_lookups", "Prompts looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("medusa_prefix_cache_hits", "Prompt lookups that found a cached prefix",
+                                   registry=r)
+        self.prefix_hit_rate = Gauge("medusa_prefix_cache_hit_rate", "Prefix cache hits / lookups, since start",
+                                     registry=r)
+        self.prefix_cached_tokens = Counter("medusa_prefix_cache_cached_tokens",
+                                            "Prompt tokens served from the prefix cache (not prefilled)",
+                                            registry=r)
+        self.prefix_evictions = Counter("medusa_prefix_cache_evictions", "Prefix cache blocks evicted",
+                                        registry=r)
+        self.prefix_bytes = Gauge("medusa_prefix_cache_bytes", "Bytes held by cached prefix blocks", registry=r)
+        self.prefix_capacity = Gauge("medusa_prefix_cache_capacity_bytes",
+                                     "The prefix cache's budget (whole blocks); 0 when it is off", registry=r)
+        self.prefix_blocks = Gauge("medusa_prefix_cache_blocks", "Cached prefix blocks", registry=r)
+        self.prefix_held = Gauge("medusa_prefix_cache_held_blocks",
+                                 "Cached prefix blocks that running requests hold (never evicted)", registry=r)
+        self.vllm_prefix_queries = Counter("vllm:prefix_cache_queries",
+                                           "Prefix cache queries, in terms of number of queried tokens.",
+                                           registry=r)
+        self.vllm_prefix_hits = Counter("vllm:prefix_cache_hits",
+                                        "Prefix cache hits, in terms of number of cached tokens.", registry=r)
+        # The latency target (medusa.serve.prefill): whether running streams' steps keep it.
+        self.tpot_target = Gauge("medusa_tpot_target_seconds", "Step-time target running streams keep "
+                                 "while prompts are prefilled (--tpot-slo); 0 when none", registry=r)
+        self.tpot_missed = Gauge("medusa_tpot_target_missed", "1 while the running rows' decode step alone "
+                                 "takes longer than the target (more streams than it allows)", registry=r)
+        self.tpot_missed_total = Counter("medusa_tpot_target_missed_spells", "Times the target became "
+                                         "unkeepable (a spell of steps over it)", registry=r)
         self._row_steps = self._accepted_sum = self._depth_sum = 0
         self.spec_on = Gauge("medusa_speculation_on", "1 when the last step speculated", registry=r)
         self.mode_info = Gauge("medusa_speculation_mode", "1 for the mode of the last step", ["mode"],

@@ -48,6 +48,7 @@ class Request:
     logprobs: int | None = None  # None, or how many top alternatives to report per token (0..20)
     unsent: int = 0  # tokens not yet handed out with an event (their text may be held back)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
 
     def take_unsent(self) -> dict[str, Any]:
         """The tokens (and their log-probabilities) not yet handed out: they go with the next event."""

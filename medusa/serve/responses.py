@@ -48,9 +48,11 @@ class Shape:
         self.offsets: dict[int, int] = {}  # streamed completions: characters of text each choice has sent
         self.sent_prompt: set[int] = set()
 
-    def usage(self, completion_tokens: int) -> dict:
+    def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict:
+        """OpenAI's usage object; `cached_tokens`: prompt tokens served from the prefix cache."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+                "total_tokens": self.prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     def _head(self, suffix: str) -> dict:
         obj = "chat.completion" if self.chat else "text_completion"
@@ -86,9 +88,9 @@ class Shape:
         return out
 
     # ---- whole responses and stream chunks -----------------------------------------------------------
-    def full(self, choices: list[Choice]) -> dict:
+    def full(self, choices: list[Choice], cached_tokens: int = 0) -> dict:
         out = [self._full_choice(i, c) for i, c in enumerate(choices)]
-        body = {**self._head(""), "choices": out, "usage": self.usage(sum(c.tokens for c in choices))}
+        body = {**self._head(""), "choices": out, "usage": self.usage(sum(c.tokens for c in choices), cached_tokens)}
         if self.token_ids and self.chat:
             body["prompt_token_ids"] = self.prompt
         return body
@@ -124,5 +126,6 @@ class Shape:
             (body if self.chat else choice)["prompt_token_ids"] = self.prompt
         return body
 
-    def usage_chunk(self, completion_tokens: int) -> dict:
-        return {**self._head(".chunk" if self.chat else ""), "choices": [], "usage": self.usage(completion_tokens)}
+    def usage_chunk(self, completion_tokens: int, cached_tokens: int = 0) -> dict:
+        return {**self._head(".chunk" if self.chat else ""), "choices": [],
+                "usage": self.usage(completion_tokens, cached_tokens)}

@@ -39,6 +39,7 @@ from medusa.serve.outcomes import Outcomes, keep_logprobs
 from medusa.serve.policy import MODES, Decision, SpeculationPolicy
 from medusa.serve.memory import RELEASE_AFTER_S, MemoryGauges
 from medusa.serve.prefill import PrefillBudget
+from medusa.serve.prefix import ServedPrefixes
 from medusa.serve.request import Request
 
 log = logging.getLogger("medusa.serve.scheduler")
@@ -52,9 +53,12 @@ class Scheduler:
 
     def __init__(self, engine: Engine, tokenizer: Any, policy: SpeculationPolicy, metrics: Metrics, *,
                  max_batch: int, max_context: int, max_queue: int, queue_timeout_s: float, budget: PrefillBudget,
-                 chunked_prefill: bool = True):
-        """`policy` chooses each step's proposer and sets up their per-row state in every new batch."""
+                 chunked_prefill: bool = True, prefix: ServedPrefixes | None = None):
+        """`policy` chooses each step's proposer and sets up their per-row state in every new batch;
+        `prefix`: the prefix cache (None: off)."""
         self.engine, self.policy, self.metrics = engine, policy, metrics
+        self.prefix = prefix
+        self.missed = False  # the step-time target could not be kept at the last boundary
         self.max_batch, self.max_context, self.budget = max_batch, max_context, budget
         self.admission = Admission(metrics, lambda: self.occupied, max_batch=max_batch, max_queue=max_queue,
                                    queue_timeout_s=queue_timeout_s, chunked_prefill=chunked_prefill)
@@ -98,6 +102,8 @@ class Scheduler:
     def new_batch(self) -> Batch:
         batch = self.engine.new_batch(self.max_batch, self.capacity, self.max_context)
         self.policy.attach(batch)
+        if self.prefix is not None:
+            self.prefix.attach(batch)
         return batch
 
     # ---- the engine thread --------------------------------------------------------------------------
@@ -141,6 +147,11 @@ class Scheduler:
                 self._decode(tokens if self.prefilling is not None else 0)
         except Exception as exc:  # the engine itself failed: fail the batch, say so, keep serving
             self._engine_fault(exc)
+        if self.prefix is not None:
+            alive = set(self.running)
+            if self.prefilling is not None:
+                alive.add(self.prefilling.id)
+            self.prefix.sweep(alive)
         self._update_gauges()
 
     # ---- prefill: queued requests into rows ---------------------------------------------------------
@@ -158,7 +169,7 @@ class Scheduler:
             return [], None
         # Cancelled rows are dropped before this prefill, so their slots count as free.
         free = self.batch.free + sum(1 for r in self.running.values() if r.cancelled)
-        return self.admission.take(max(free, 0), tokens)
+        return self.admission.take(max(free, 0), tokens, self.prefix.cost if self.prefix is not None else None)
 
     def _drop_cancelled(self) -> None:
         gone = [r for r in self.running.values() if r.cancelled]
@@ -186,21 +197,31 @@ class Scheduler:
             for r in reqs:
                 self._prefill([r])
             return
-        self.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in reqs))
+        self.metrics.prompt_tokens.inc(sum(len(r.prompt) - r.cached_tokens for r in reqs))
         self._deliver(out)
 
     def _add(self, reqs: list[Request]) -> StepOutput:
+        start = None
+        if self.prefix is not None:
+            # Rows with equal cached prefixes side by side: the engine prefills each run in one pass.
+            hits = sorted(((r, self.prefix.lookup(r)) for r in reqs), key=lambda rh: rh[1].tokens)
+            reqs = [r for r, _ in hits]
+            start = [self.prefix.restore(self.batch, self.batch.n + i, r, hit) for i, (r, hit) in enumerate(hits)]
         for r in reqs:
             self.running[r.id] = r
         with self._undone_on_failure(reqs):
             return self.engine.add(self.batch, [r.id for r in reqs], [r.prompt for r in reqs],
                                    [r.max_tokens for r in reqs], sampling=[r.sampling for r in reqs],
-                                   logprobs=[r.logprobs for r in reqs])
+                                   logprobs=[r.logprobs for r in reqs], start=start)
 
     def _begin(self, req: Request) -> None:
         """Start prefilling a long prompt in chunks (`_advance`, or decode steps carrying them, run them)."""
         try:
-            self.engine.begin(self.batch, req.id, req.prompt, req.max_tokens, req.sampling, req.logprobs)
+            start = 0
+            if self.prefix is not None:  # the top slot is where a chunked prompt is prefilled
+                start = self.prefix.restore(self.batch, self.batch.cache.rows - 1, req, self.prefix.lookup(req))
+            self.engine.begin(self.batch, req.id, req.prompt, req.max_tokens, req.sampling, req.logprobs,
+                              start=start)
         except Exception as exc:
             self._refuse(req, exc)
             return
@@ -269,7 +290,7 @@ class Scheduler:
         seconds = time.perf_counter() - start
         decision, proposer = self.policy.chosen
         self.metrics.failures.labels("proposer").inc(self.policy.failures - failures)
-        self.budget.observe(seconds, prefill)
+        self.budget.observe(seconds, prefill, n)
         self.width = proposer.tree.size if proposer is not None else 1
         if self.fault is not None:
             self._recovered("a decode step succeeded")
@@ -384,4 +405,15 @@ class Scheduler:
     def _update_gauges(self) -> None:
         self.metrics.running.set(self.occupied)
         self.metrics.queued.set(len(self.admission))
+        if self.prefix is not None:
+            self.prefix.update_metrics()
+        budget = self.budget
+        if budget.target is not None:
+            if budget.target_ms is not None:
+                self.metrics.tpot_target.set(budget.target_ms / 1000)
+            if budget.missed != self.missed:
+                self.missed = budget.missed
+                self.metrics.tpot_missed.set(1 if budget.missed else 0)
+                if budget.missed:
+                    self.metrics.tpot_missed_total.inc()
 

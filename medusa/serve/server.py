@@ -15,7 +15,8 @@ from medusa.serve.config import ServeConfig
 from medusa.serve.errors import ApiError
 from medusa.serve.metrics import Metrics
 from medusa.serve.policy import SpeculationPolicy
-from medusa.serve.prefill import PrefillBudget
+from medusa.serve.prefill import PrefillBudget, parse_tpot_slo
+from medusa.serve.prefix import ServedPrefixes, parse_megabytes
 from medusa.serve.proposers import calibrated_policy, default_trees, drafts_alone, heads_proposers
 from medusa.serve.protocol import ChatCompletionRequest, CompletionRequest
 from medusa.serve.request import Event, Overloaded, Request
@@ -28,6 +29,15 @@ def served_name(cfg: ServeConfig, rt: Runtime) -> str:
         return cfg.served_model_name
     name = str(getattr(rt.hf_model, "name_or_path", "") or cfg.model)
     return Path(name).name if Path(name).exists() else name
+
+
+def prefill_budget(cfg: ServeConfig, curve) -> PrefillBudget:
+    """The prefill budget: chunks sized to the step-time target (`tpot_slo`, default 2x a stream's step
+    alone), or to `prefill_stall` when that older dial is set instead."""
+    if cfg.prefill_stall is not None:
+        return PrefillBudget(cfg.prefill_tokens_per_step, cfg.prefill_stall, curve)
+    target = parse_tpot_slo(cfg.tpot_slo if cfg.tpot_slo is not None else "2x")
+    return PrefillBudget(cfg.prefill_tokens_per_step, None, curve, target=target)
 
 
 class Server:
@@ -46,8 +56,9 @@ class Server:
             rt.engine, rt.tokenizer, self.policy, self.metrics,
             max_batch=cfg.max_batch, max_context=cfg.max_context, max_queue=cfg.max_queue,
             queue_timeout_s=cfg.queue_timeout_s,
-            budget=PrefillBudget(cfg.prefill_tokens_per_step, cfg.prefill_stall, cached_curve(rt)),
-            chunked_prefill=cfg.chunked_prefill)
+            budget=prefill_budget(cfg, cached_curve(rt)), chunked_prefill=cfg.chunked_prefill,
+            prefix=ServedPrefixes(self.metrics, parse_megabytes(cfg.prefix_cache_mb), cfg.prefix_cache_block,
+                                  rt.engine.model, cfg.max_batch) if cfg.prefix_cache else None)
 
     # ---- request -> engine requests -----------------------------------------------------------------
     def check_model(self, model: str) -> None:

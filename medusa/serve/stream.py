@@ -73,6 +73,12 @@ async def respond(server: Server, http: HttpRequest, body: Any, prompt: list[int
     return await collect(server, watch, reqs, first, shape)
 
 
+def cached(reqs: list[Request]) -> int:
+    """Prompt tokens served from the prefix cache (the prompt is counted once for all `n` choices, and so
+    is this: the most any choice was served)."""
+    return max((r.cached_tokens for r in reqs), default=0)
+
+
 async def collect(server: Server, watch: ClientWatch, reqs: list[Request], first: Item, shape: Shape) -> Response:
     """The whole response once every choice has finished (499 when the client left first)."""
     choices = [Choice() for _ in reqs]
@@ -87,7 +93,7 @@ async def collect(server: Server, watch: ClientWatch, reqs: list[Request], first
             raise server.failed(ev)
         choices[i].add(ev)
         if all(c.finish_reason for c in choices):
-            return JSONResponse(shape.full(choices))
+            return JSONResponse(shape.full(choices, cached(reqs)))
         item = await watch.next()
 
 
@@ -116,7 +122,7 @@ async def stream(http: HttpRequest, server: Server, watch: ClientWatch, reqs: li
                 finished += 1
                 if finished == len(reqs):
                     if usage:
-                        yield sse(shape.usage_chunk(sum(tokens)))
+                        yield sse(shape.usage_chunk(sum(tokens), cached(reqs)))
                     yield "data: [DONE]\n\n"
                     http.state.outcome = "ok"
                     break
