@@ -782,3 +782,48 @@ def test_acceptance_is_logged_while_training_and_measured_at_the_end(tiny_run, t
     assert 1.0 <= report["measured_tau"]["dynamic-6x3"] <= 7.0 and "measured" in err
     saved = json.loads((tmp_path / "acc" / "head" / "eval.json").read_text())
     assert saved["measured_tau"] == report["measured_tau"]
+
+
+def test_each_named_model_gets_its_own_shipped_head(tmp_path, monkeypatch):
+    """A named model's shipped head (`assets/feature_heads-<name>`) is what `--heads default` loads for that
+    model when marked preferred, `--heads feature` loads whatever the mark, and `--heads <name>` names it;
+    the embedded model's head is never loaded for it, and a head shipped for another model is refused by
+    name, as is a named model with no head shipped."""
+    import medusa.decoding.feature_heads as fh
+    import medusa.runtime.feature as rf
+
+    assets = tmp_path / "assets"
+    monkeypatch.setattr(fh, "ASSETS", assets)
+    monkeypatch.setattr(fh, "SHIPPED_FEATURE_DIR", assets / "feature_heads")
+    monkeypatch.setattr(rf, "SHIPPED_FEATURE_DIR", assets / "feature_heads")
+    target = tiny_model("llama", vocab=V)
+    target.name_or_path = "Qwen2.5-Coder-1.5B-Instruct"  # what loading `--model qwen2.5-coder-1.5b` names it
+    embedded_like = tiny_model("llama", vocab=V, seed=1)  # same sizes, not a named model
+    random_head(target).save(assets / "feature_heads", meta={"preferred": True})  # the embedded model's
+    own = assets / "feature_heads-qwen2.5-coder-1.5b"
+    random_head(target, seed=3).save(own, meta={"preferred": False, "base_model": target.name_or_path})
+
+    assert fh.shipped_for(target) == "qwen2.5-coder-1.5b" and fh.shipped_for(embedded_like) == "default"
+    assert rf.resolve_feature("default", target) is None  # shipped, but not marked preferred
+    head = rf.resolve_feature("feature", target)
+    expected = FeatureHead.load(own, target)
+    assert all(torch.equal(a, b) for a, b in zip(head.own_state().values(), expected.own_state().values()))
+    assert rf.resolve_feature("qwen2.5-coder-1.5b", target) is not None
+    assert rf.shipped_names() == ["feature", "qwen2.5-coder-1.5b"]
+    info = json.loads((own / "heads.json").read_text())
+    (own / "heads.json").write_text(json.dumps(info | {"preferred": True}))
+    assert rf.resolve_feature("default", target) is not None
+    # The embedded model's head still goes to models of its sizes that are not named models.
+    assert rf.resolve_feature("default", embedded_like) is not None
+    with pytest.raises(MedusaError, match="--heads qwen2.5-coder-0.5b: no feature head is shipped"):
+        rf.resolve_feature("qwen2.5-coder-0.5b", target)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    wider = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=96, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    assert fh.shipped_for(wider) is None  # no shipped head of its sizes
+    with pytest.raises(MedusaError, match="--heads qwen2.5-coder-1.5b: that head was trained for"):
+        rf.resolve_feature("qwen2.5-coder-1.5b", wider)
+    shutil.rmtree(own)
+    with pytest.raises(MedusaError, match="--heads feature: no feature head is shipped for Qwen2.5-Coder-1.5B"):
+        rf.resolve_feature("feature", target)

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from medusa.decoding.dynamic_tree import TreeShape, is_dynamic, parse_shape
-from medusa.decoding.feature_heads import SHIPPED_FEATURE_DIR, FeatureHead, read_kind
+from medusa.decoding.feature_heads import (SHIPPED_FEATURE_DIR, FeatureHead, read_kind, shipped_feature_dir,
+                                           shipped_feature_info, shipped_for)
+from medusa.decoding.model import NAMED_MODELS
 from medusa.decoding.feature_proposer import FeatureProposer, expected_tau_dynamic, shape_candidates
 from medusa.decoding.feature_runner import HeadRunner
 from medusa.decoding.retrieval import MergedProposer
@@ -36,10 +38,11 @@ DEFAULT_SHAPE = TreeShape(16, 5)  # when nothing was measured: a middle-sized tr
 MEDUSA_TOPK = 4
 
 
-def shipped_preferred(hidden_size: int | None = None) -> bool:
-    """The shipped feature heads are the default for their model when marked so (they measured faster);
-    `hidden_size`: the target's, when one is loaded (None: the embedded model they were trained for)."""
-    path = SHIPPED_FEATURE_DIR / "heads.json"
+def shipped_preferred(hidden_size: int | None = None, model: str | None = None) -> bool:
+    """A shipped feature head is the default for its model when marked so (it measured faster than the
+    alternatives); `model`: a named model's own head (None: the embedded model's); `hidden_size`: the
+    target's, when one is loaded."""
+    path = (SHIPPED_FEATURE_DIR if model is None else shipped_feature_dir(model)) / "heads.json"
     if not path.is_file():
         return False
     try:
@@ -50,17 +53,44 @@ def shipped_preferred(hidden_size: int | None = None) -> bool:
 
 
 def resolve_feature(spec: str | None, hf_model) -> FeatureHead | None:
-    """The feature head `--heads` names, or None when it names Medusa heads (or none)."""
+    """The feature head `--heads` names, or None when it names Medusa heads (or none).
+
+    default:  the head shipped for this target (the embedded model's, or a named model's own), when it is
+              marked preferred; feature: that head whatever the mark; a named model's short name: the head
+              shipped for that model (e.g. `--heads qwen2.5-coder-1.5b`); a directory: the head in it."""
     if spec in (None, "none", "medusa"):
         return None
     hidden = hf_model.config.hidden_size
-    if spec == "feature" or (spec == "default" and shipped_preferred(hidden)):
-        if not (SHIPPED_FEATURE_DIR / "heads.json").is_file():
-            raise MedusaError("--heads feature: no shipped feature heads in this installation")
-        return FeatureHead.load(SHIPPED_FEATURE_DIR, hf_model)
+    if spec in ("feature", "default"):
+        own = shipped_for(hf_model)
+        model = None if own in (None, "default") else own
+        if own is not None and (spec == "feature" or shipped_preferred(hidden, model)):
+            return FeatureHead.load(own, hf_model)
+        if spec == "feature":
+            title = getattr(hf_model, "name_or_path", None) or "this model"
+            raise MedusaError(f"--heads feature: no feature head is shipped for {title} (shipped: "
+                              f"{', '.join(shipped_names()) or 'none'}); train one with `medusa train-feature` "
+                              f"and pass its directory")
+        return None
+    if spec in NAMED_MODELS:
+        info = shipped_feature_info(spec)
+        if info is None:
+            raise MedusaError(f"--heads {spec}: no feature head is shipped for that model (shipped: "
+                              f"{', '.join(shipped_names()) or 'none'})")
+        if info.get("hidden_size") != hidden:
+            raise MedusaError(f"--heads {spec}: that head was trained for {info.get('base_model') or spec} "
+                              f"(hidden size {info.get('hidden_size')}), not this model (hidden size {hidden})")
+        return FeatureHead.load(spec, hf_model)
     if spec != "default" and Path(spec).is_dir() and read_kind(spec) == "feature":
         return FeatureHead.load(spec, hf_model)
     return None
+
+
+def shipped_names() -> list[str]:
+    """`--heads` names of the shipped feature heads: `feature` (the embedded model's) and each named model's
+    own that this installation holds."""
+    return (["feature"] if shipped_feature_info() is not None else []) + \
+        [name for name in sorted(NAMED_MODELS) if shipped_feature_info(name) is not None]
 
 
 @functools.lru_cache(maxsize=8)
