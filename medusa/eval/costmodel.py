@@ -57,11 +57,6 @@ def pays(speedup: float) -> bool:
     return speedup > 1.0
 
 
-def best_k(alpha: float, c: float, ks: range | list[int] = range(1, 9)) -> tuple[int, float]:
-    """The K with the largest analytic speedup (the smallest K on ties)."""
-    return max(((k, analytic_speedup(alpha, k, c)) for k in ks), key=lambda kv: (kv[1], -kv[0]))
-
-
 def alpha_from_acceptance(acceptance_by_head: list[float]) -> float:
     """One per-token acceptance rate that reproduces the measured chain's E[accepted] (its geometric mean
     would overweight the rarely reached deep positions, so match the expectation instead)."""

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from medusa.io import write_text_atomic
-from medusa.runtime.timing import Latency, measure_forward, measure_heads
+from medusa.runtime.timing import measure_forward, measure_heads
 
 VERSION = 3  # bump when what is measured changes, so old files are not read as new ones
 TOKENS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64]
@@ -114,10 +114,6 @@ class Calibration:
     def draft_ratio(self, head: str, b: int, t: int) -> float:
         """A draft pass as a multiple of a one-token target pass at `b` rows (both from this curve)."""
         return self.draft_ms(head, b, t) / self.ms(b, 1)
-
-    def latency(self) -> Latency:
-        """The evaluator's view: the measured grid with its fitted latency model."""
-        return Latency([(b, t, ms) for (b, t), ms in sorted(self.grid.items())])
 
     def to_dict(self) -> dict:
         return {"version": VERSION, "key": self.key,
