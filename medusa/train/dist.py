@@ -89,3 +89,22 @@ def init_dist(deepspeed: bool = False) -> Dist:
 def _close_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def shard_frozen(model: torch.nn.Module, d: Dist) -> tuple[int, int]:
+    """Shard a frozen HF causal LM over every process with FSDP2 (`fully_shard`): each decoder layer is a
+    group of its own, then the whole model (embeddings, final norm, lm_head: tied weights stay one
+    parameter) is the root group. Each process keeps 1/world of every weight; a forward all-gathers one
+    group at a time and frees it again after (`reshard_after_forward`), so a process holds at most the
+    shards plus one layer in full. Every process must then run the model's forward the same number of
+    times (the layers' all-gathers are collectives): the caller's job. In place; returns the weights this
+    process holds and the model's, in elements."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(d.device.type, (d.world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    params = list(model.parameters())
+    return sum(p.to_local().numel() for p in params), sum(p.numel() for p in params)

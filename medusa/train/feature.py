@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from medusa.errors import MedusaError
 from medusa.io import atomic_dir, read_yaml, validate
@@ -90,6 +90,11 @@ class FeatureTrainConfig(RunConfig):
     # step on that step's sequences, caching nothing (for targets whose cache would not fit the disk: see
     # docs/feature-heads.md, "Features online or cached").
     features: Literal["offline", "online"] = "offline"
+    # How the frozen target is held when several processes compute features online: `replicate` (a whole
+    # copy in every process) or `fsdp` (FSDP2 `fully_shard` over all processes: each keeps 1/N of every
+    # weight and gathers one decoder layer at a time during the step's target pass; for targets that do not
+    # fit one device). See docs/feature-heads.md, "A target too large for one device".
+    target_sharding: Literal["replicate", "fsdp"] = "replicate"
     # Acceptance while training: every `eval_every` steps (None: at the end only) the held-out rank accuracy
     # on up to `eval_examples` held-out sequences and the tau it predicts for `tau_tree` (logged to the console
     # and wandb); at the end, that prediction beside tau measured by decoding `measure_tau_prompts` held-out
@@ -109,6 +114,16 @@ class FeatureTrainConfig(RunConfig):
             raise ValueError(f"{v!r}: feature heads grow dynamic trees (dynamic-N, dynamic-NxD, dynamic-NxDxK)")
         parse_shape(v)
         return v
+
+    @model_validator(mode="after")
+    def _sharding(self) -> FeatureTrainConfig:
+        if self.target_sharding == "fsdp" and self.features != "online":
+            raise ValueError("target_sharding: fsdp shards the target that runs inside each training step; "
+                             "it needs features: online (an offline cache is extracted by whole targets)")
+        if self.target_sharding == "fsdp" and self.deepspeed:
+            raise ValueError("target_sharding: fsdp is not combined with deepspeed (ZeRO shards the head's "
+                             "optimizer, FSDP2 the target); use one of them")
+        return self
 
 
 def load_feature_config(path: str | Path, overrides: list[str] | None = None) -> FeatureTrainConfig:
@@ -182,7 +197,13 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
     if d.world > 1 and d.main:
         print(f"training in {d.world} processes (world size {d.world}, rank 0 on {d.device})", file=sys.stderr,
               flush=True)
-    hf, tokenizer = load_target(cfg.model, cfg.dtype, d.device)
+    sharded = cfg.target_sharding == "fsdp" and d.world > 1
+    if cfg.target_sharding == "fsdp" and d.world == 1:
+        print("target_sharding: fsdp with one process: nothing to shard, the target stays whole", file=sys.stderr,
+              flush=True)
+    # A target to be sharded is read into host memory, and fully_shard moves each process's shards to its
+    # device: the whole target never sits on one device.
+    hf, tokenizer = load_target(cfg.model, cfg.dtype, "cpu" if sharded else d.device)
     hf.eval().requires_grad_(False)
     train_groups, held = split_groups(cfg, chunk_groups(cfg, load_examples(cfg, tokenizer)))
     base = ckpt.base_fingerprint(hf, cfg.model)
@@ -202,6 +223,12 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
     head, full_to_draft = head.to(d.device), full_to_draft.to(d.device)
     meta = {"base": base, "heads": asdict(head.config) | {"base_model": None}}
     held_features: list[Features] = []  # the held-out features, extracted on first use and kept
+    if sharded:
+        shard_target(hf, head, d)
+        if held:  # every process runs the (sharded) target over them; rank 0 keeps them for its evaluations
+            held_features.append(extract(held, fn))
+            if not d.main:
+                held_features.clear()
 
     def acceptance(step: int, examples: int | None) -> dict:
         if not held_features:
@@ -221,7 +248,11 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
         d.barrier()
         return {"rank": d.rank, "step": step, "trained_tokens": trained, "train_seconds": train_seconds}
     report = acceptance(step, None) if held else {}
-    if report and cfg.measure_tau_prompts:
+    if report and cfg.measure_tau_prompts and sharded:
+        print("measured tau: not measured with a sharded target (decoding needs it whole in one process); "
+              "measure the head afterwards with `medusa eval` or benchmarks/feature_tau.py", file=sys.stderr,
+              flush=True)
+    elif report and cfg.measure_tau_prompts:
         report["measured_tau"] = {cfg.tau_tree: round(measure_tau(cfg, hf, tokenizer, head, held), 3)}
         print(f"tau ({cfg.tau_tree}): expected {report['expected_tau'][cfg.tau_tree]:.2f}, measured "
               f"{report['measured_tau'][cfg.tau_tree]:.2f} decoding {min(cfg.measure_tau_prompts, len(held))} "
@@ -238,6 +269,31 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
     d.barrier()
     return {"run_dir": str(Path(cfg.run_dir)), "head_dir": str(out), "step": step, "trained_tokens": trained,
             "train_seconds": train_seconds, "eval": report, "world_size": d.world}
+
+
+class _OwnEmbeddings:
+    """What a head borrows from its target (`FeatureHead.embed`), here a whole copy of the input embeddings
+    of a target that is sharded: its own are shards outside the target's forward."""
+
+    def __init__(self, embeddings: torch.nn.Module):
+        self.embeddings = embeddings
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embeddings
+
+
+def shard_target(hf, head, d: Dist) -> None:
+    """`target_sharding: fsdp`: the head takes a whole copy of the embeddings it reads (its lm_head rows are
+    its own already), then the target is sharded over every process (medusa.train.dist.shard_frozen)."""
+    import copy
+
+    from medusa.train.dist import shard_frozen
+
+    head._target = [_OwnEmbeddings(copy.deepcopy(hf.get_input_embeddings()).to(d.device).requires_grad_(False))]
+    local, whole = shard_frozen(hf, d)
+    if d.main:
+        print(f"target sharded with FSDP2 over {d.world} processes: rank 0 holds {local:,} of its {whole:,} "
+              "weights", file=sys.stderr, flush=True)
 
 
 def step_autocast(precision: str, device: torch.device) -> torch.autocast:

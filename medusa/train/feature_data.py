@@ -175,7 +175,7 @@ def feature_fn(model, layers: list[int]):
     return run
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: a sharded target (FSDP2) gathers into tensors reused by later passes
 def extract(examples: list[dict], fn, batch_tokens: int = 4096, progress: bool = False) -> Features:
     """Run the frozen target over every example (length-sorted batches); keep every position."""
     from tqdm import tqdm
