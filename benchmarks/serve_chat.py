@@ -118,22 +118,24 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
 
 async def run(url: str, system: str, asks: list[list[str]], args: argparse.Namespace) -> dict:
     model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    turns: list[list[dict]] = [[] for _ in range(args.turns)]
+    # turns[t][u]: user u's turn t (None when an earlier turn of that user failed)
+    turns: list[list[dict | None]] = [[None] * len(asks) for _ in range(args.turns)]
 
-    async def user(client: httpx.AsyncClient, qs: list[str]) -> None:
+    async def user(client: httpx.AsyncClient, u: int, qs: list[str]) -> None:
         messages = [{"role": "system", "content": system}]
         for t, q in enumerate(qs):
             messages.append({"role": "user", "content": q})
             r = await one_turn(client, url, model, messages, args.max_tokens, args.request_timeout)
-            turns[t].append(r)
+            turns[t][u] = r
             if "error" in r:
                 return
             messages.append({"role": "assistant", "content": r["text"]})
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=args.users + 4)) as client:
         start = time.perf_counter()
-        await asyncio.wait_for(asyncio.gather(*(user(client, qs) for qs in asks)), args.run_timeout)
+        await asyncio.wait_for(asyncio.gather(*(user(client, u, qs) for u, qs in enumerate(asks))), args.run_timeout)
         wall = time.perf_counter() - start
+    turns = [[r if r is not None else {"error": "not asked: an earlier turn failed"} for r in rs] for rs in turns]
     per_turn = []
     for t, rs in enumerate(turns):
         ok = [r for r in rs if "error" not in r]
@@ -189,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         summary = {"throughput_on_over_off": on["tokens_per_s"] / off["tokens_per_s"],
                    "ttft_off_over_on_by_turn": [b["ttft_p50_s"] / a["ttft_p50_s"] if a["ttft_p50_s"] else None
                                                 for a, b in zip(on["turns"], off["turns"])],
-                   "same_texts": on["texts"] == off["texts"]}
+                   "same_texts": on["texts"] == off["texts"],
+                   "same_answers": sum(a == b for x, y in zip(on["texts"], off["texts"]) for a, b in zip(x, y)),
+                   "answers": sum(len(x) for x in on["texts"])}
         print(json.dumps(summary, indent=1))
     dtype = args.dtype if args.dtype != "auto" else auto_dtype(machine("cpu"))[0]
     result = {"model": args.model, "heads": args.heads, "dtype": dtype, **provenance(dtype),
