@@ -102,3 +102,49 @@ def evaluate_head(head, cfg: FeatureTrainConfig, hf, fn, held: list[dict], full_
     acc = (hits / counts.clamp(min=1)[:, None]).tolist()
     return {"examples": min(len(held), examples or len(held)), "labels_per_step": counts.long().tolist(),
             "rank_accuracy": acc, "top1": [a[0] for a in acc], "topk_accuracy": [[sum(a[: r + 1]) for r in range(len(a))] for a in acc]}
+
+
+@torch.no_grad()
+def rank_paths(head, feats: Features, full_to_draft: torch.Tensor, depth: int, k: int,
+               examples: int | None = None, scores: bool = False):
+    """[P, depth] long: for every position o with a label (o + 2 an answer token), the rank of the target's
+    token at each draft depth along the chain the head drafts from o (depth d: unrolled step d - 1 at
+    position o + d - 1, reading the head's own outputs and the true tokens, as a drafted path that is
+    still being accepted reads them). Rank k: not among the head's top k; -1: no label (past the answer).
+    `scores`: also [P, depth, k], the head's log-probabilities of its top k tokens there."""
+    head.eval()
+    dev = full_to_draft.device
+    out, logq = [], []
+    for i in range(min(len(feats), examples or len(feats))):
+        f, tok, ans, top, _ = (x.to(dev) for x in feats.batch([i], 1 << 30))
+        t = f.shape[1]
+        if t < 4:
+            continue
+        emb = head.embed(shifted(tok)).float()
+        lab = full_to_draft[shifted(top)][0]
+        label_ok = torch.zeros(1, t, dtype=torch.bool, device=dev)
+        label_ok[:, : t - 2] = ans[:, 2:]
+        ranks = torch.full((t, depth), -1, dtype=torch.long, device=dev)
+        lq = torch.zeros(t, depth, k, device=dev)
+        for j, o, ok in unrolled(head, emb, f[..., : head.config.feature_dim], label_ok, depth):
+            top = torch.log_softmax(head.logits(o)[0].float(), -1).topk(k, -1)
+            hit = top.indices == lab[:, None]  # [T, k]
+            r = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(lab, k))
+            ranks[: t - j, j] = torch.where(ok[0], r, -1)[j:]  # step j at position s: the chain from s - j
+            lq[: t - j, j] = top.values[j:]
+        out.append(ranks[label_ok[0]].cpu())
+        logq.append(lq[label_ok[0]].cpu())
+    ranks = torch.cat(out) if out else torch.zeros(0, depth, dtype=torch.long)
+    return (ranks, torch.cat(logq) if logq else torch.zeros(0, depth, k)) if scores else ranks
+
+
+def path_accuracy(paths: torch.Tensor, k: int) -> list[list[float]]:
+    """Rank accuracy per depth among the positions whose path was accepted up to the depth before (their
+    ranks there all below k): what a tree's node at that depth is accepted with, given its parent was."""
+    out = []
+    alive = torch.ones(paths.shape[0], dtype=torch.bool)
+    for j in range(paths.shape[1]):
+        r = paths[alive & (paths[:, j] >= 0), j]
+        out.append([float((r == i).float().mean()) if len(r) else 0.0 for i in range(k)])
+        alive &= (paths[:, j] >= 0) & (paths[:, j] < k)
+    return out
