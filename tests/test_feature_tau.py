@@ -83,3 +83,34 @@ def test_path_accuracy_conditions_each_depth_on_the_accepted_prefix():
     # that have a label there (the first only).
     assert acc[1] == pytest.approx([2 / 3, 0, 0])
     assert acc[2] == pytest.approx([0, 1, 0])
+
+
+def test_accuracies_along_the_accepted_path_give_a_chain_its_exact_expected_length():
+    """Depths are correlated (a position the head gets right at depth 1 is easier at depth 2): multiplying
+    per-depth accuracies over all positions misjudges even a chain, multiplying the accuracies among the
+    positions whose path was accepted so far gives its expected accepted length exactly."""
+    from medusa.decoding.tree import expected_tau
+    from medusa.train.feature_eval import marginal_accuracy
+
+    g = torch.Generator().manual_seed(0)
+    easy = torch.rand(4000, generator=g) < 0.5  # half the positions easy, half hard, at every depth
+    p = torch.where(easy, 0.9, 0.3)[:, None].expand(4000, 3)
+    paths = (torch.rand(4000, 3, generator=g) > p).long()  # rank 0 (hit) or 1 (miss: k = 1)
+    chain = [(0,), (0, 0), (0, 0, 0)]
+    exact = 1 + sum(float((paths[:, :d] == 0).all(1).float().mean()) for d in (1, 2, 3))
+    assert expected_tau(chain, path_accuracy(paths, 1)) == pytest.approx(exact, abs=1e-6)
+    assert expected_tau(chain, marginal_accuracy(paths, 1)) < exact - 0.1
+
+
+def test_evaluate_head_reports_accuracies_along_the_accepted_path(setup):
+    from types import SimpleNamespace
+
+    from medusa.train.feature_eval import evaluate_head, marginal_accuracy
+
+    _, head, feats = setup
+    cfg = SimpleNamespace(loss=SimpleNamespace(unroll=2), eval_steps=3, eval_topk=5)
+    report = evaluate_head(head, cfg, None, None, [{}, {}], draft_map(V, head.draft_ids), feats)
+    paths = rank_paths(head, feats, draft_map(V, head.draft_ids), 3, 5)
+    assert report["rank_accuracy"] == path_accuracy(paths, 5)
+    assert report["top1"] == [a[0] for a in marginal_accuracy(paths, 5)]
+    assert report["labels_per_step"] == [23, 21, 19]

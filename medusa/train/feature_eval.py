@@ -75,7 +75,11 @@ def measure_tau(cfg: FeatureTrainConfig, hf, tokenizer, head, held: list[dict]) 
 def evaluate_head(head, cfg: FeatureTrainConfig, hf, fn, held: list[dict], full_to_draft: torch.Tensor,
                   feats: Features | None = None, examples: int | None = None) -> dict:
     """Held-out rank accuracy per draft step (step j: the head's own j previous outputs as features), the
-    target's greedy token as the label: rank_accuracy[j][r] = P(label is the head's rank-r token).
+    target's greedy token as the label. rank_accuracy[j][r] = P(label is the head's rank-r token at depth
+    j + 1 | the path to it was accepted), counted along the chain the head drafts from each position
+    (`rank_paths`, `path_accuracy`): what a tree's node is accepted with once its parent is, as
+    `expected_tau_dynamic` multiplies them. `top1` / `topk_accuracy` / `marginal_rank_accuracy`: the same
+    per depth over every position, accepted path or not.
     `feats`: the held-out features when already extracted; `examples`: the first that many sequences only."""
     if not held:
         return {}
@@ -83,25 +87,14 @@ def evaluate_head(head, cfg: FeatureTrainConfig, hf, fn, held: list[dict], full_
     feats = feats if feats is not None else extract(held, fn)
     steps = max(cfg.loss.unroll, cfg.eval_steps)
     k = cfg.eval_topk
-    hits = torch.zeros(steps, k)
-    counts = torch.zeros(steps)
-    for i in range(min(len(feats), examples or len(feats))):
-        f, tok, ans, top, valid = (x.to(full_to_draft.device) for x in feats.batch([i], cfg.data.max_seq_tokens))
-        t = f.shape[1]
-        if t < 4:
-            continue
-        emb = head.embed(shifted(tok)).float()
-        lab = full_to_draft[shifted(top)]
-        label_ok = torch.zeros(1, t, dtype=torch.bool, device=f.device)
-        label_ok[:, : t - 2] = ans[:, 2:]
-        for j, out, ok in unrolled(head, emb, f[..., : head.config.feature_dim], label_ok, steps):
-            ranks = head.logits(out).topk(k, -1).indices  # [1, T, k] draft indices
-            hit = (ranks == lab[..., None]) & ok[..., None]
-            hits[j] += hit.float().sum((0, 1)).cpu()
-            counts[j] += ok.sum().cpu()
-    acc = (hits / counts.clamp(min=1)[:, None]).tolist()
-    return {"examples": min(len(held), examples or len(held)), "labels_per_step": counts.long().tolist(),
-            "rank_accuracy": acc, "top1": [a[0] for a in acc], "topk_accuracy": [[sum(a[: r + 1]) for r in range(len(a))] for a in acc]}
+    paths = rank_paths(head, feats, full_to_draft, steps, k, examples)
+    acc = path_accuracy(paths, k)
+    marginal = marginal_accuracy(paths, k)
+    return {"examples": min(len(held), examples or len(held)),
+            "labels_per_step": [int((paths[:, j] >= 0).sum()) for j in range(steps)],
+            "rank_accuracy": acc, "rank_accuracy_given": "the path accepted: ranks below eval_topk at every depth before",
+            "marginal_rank_accuracy": marginal, "top1": [a[0] for a in marginal],
+            "topk_accuracy": [[sum(a[: r + 1]) for r in range(len(a))] for a in marginal]}
 
 
 @torch.no_grad()
@@ -125,15 +118,18 @@ def rank_paths(head, feats: Features, full_to_draft: torch.Tensor, depth: int, k
         label_ok = torch.zeros(1, t, dtype=torch.bool, device=dev)
         label_ok[:, : t - 2] = ans[:, 2:]
         ranks = torch.full((t, depth), -1, dtype=torch.long, device=dev)
-        lq = torch.zeros(t, depth, k, device=dev)
+        lq = torch.zeros(t, depth, k, device=dev) if scores else None
         for j, o, ok in unrolled(head, emb, f[..., : head.config.feature_dim], label_ok, depth):
-            top = torch.log_softmax(head.logits(o)[0].float(), -1).topk(k, -1)
+            logits = head.logits(o)[0].float()
+            top = (torch.log_softmax(logits, -1) if scores else logits).topk(k, -1)
             hit = top.indices == lab[:, None]  # [T, k]
             r = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(lab, k))
             ranks[: t - j, j] = torch.where(ok[0], r, -1)[j:]  # step j at position s: the chain from s - j
-            lq[: t - j, j] = top.values[j:]
+            if scores:
+                lq[: t - j, j] = top.values[j:]
         out.append(ranks[label_ok[0]].cpu())
-        logq.append(lq[label_ok[0]].cpu())
+        if scores:
+            logq.append(lq[label_ok[0]].cpu())
     ranks = torch.cat(out) if out else torch.zeros(0, depth, dtype=torch.long)
     return (ranks, torch.cat(logq) if logq else torch.zeros(0, depth, k)) if scores else ranks
 
@@ -147,4 +143,14 @@ def path_accuracy(paths: torch.Tensor, k: int) -> list[list[float]]:
         r = paths[alive & (paths[:, j] >= 0), j]
         out.append([float((r == i).float().mean()) if len(r) else 0.0 for i in range(k)])
         alive &= (paths[:, j] >= 0) & (paths[:, j] < k)
+    return out
+
+
+def marginal_accuracy(paths: torch.Tensor, k: int) -> list[list[float]]:
+    """Rank accuracy per depth over every position with a label there, whether or not its path was
+    accepted up to that depth (multiplying these treats the depths as independent)."""
+    out = []
+    for j in range(paths.shape[1]):
+        r = paths[paths[:, j] >= 0, j]
+        out.append([float((r == i).float().mean()) if len(r) else 0.0 for i in range(k)])
     return out
