@@ -130,11 +130,14 @@ def test_deepspeed_launcher_trains_in_two_processes(one_process):
     root, model, data = one_process
     config = write_config(root / "ds.yaml", model, data, root / "ds", **LAUNCH_RUN)
     launcher = Path(sys.executable).parent / "deepspeed"
-    proc = _run_launcher([str(launcher), "--num_gpus", "2", "--master_port", str(_free_port()), "--module",
+    port = _free_port()
+    proc = _run_launcher([str(launcher), "--num_gpus", "2", "--master_port", str(port), "--module",
                           "medusa.cli", "train", "--config", str(config), *ZERO2])
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "--local_rank=1" in proc.stdout + proc.stderr  # what the launcher passed, and was accepted
     assert "training in 2 processes" in proc.stdout + proc.stderr
+    # DeepSpeed's CPU all-reduce buffers (shared memory, one per rank) are removed when the run ends.
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     _same_heads(root / "one" / "heads", root / "ds" / "heads", rtol=1e-3, atol=1e-4)
 
 
@@ -245,3 +248,25 @@ def test_distill_under_a_launcher_runs_only_on_rank_0(monkeypatch, capsys):
     config = str(REPO / "configs" / "train" / "smollm2-medusa1.yaml")
     assert main(["--local_rank=1", "distill", "--config", config]) == 0
     assert "rank 1 has nothing to do" in capsys.readouterr().err
+
+
+def test_a_ranks_shared_memory_buffer_is_released(monkeypatch):
+    """The name DeepSpeed gives a rank's CPU all-reduce buffer is removed at the end of a run (and only that
+    rank's, of that run's address and port)."""
+    from medusa.train.dist import release_shm_buffer
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    port = _free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    mine, other = (shm / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_{r}" for r in (1, 0))
+    mine.write_bytes(b"x")
+    other.write_bytes(b"x")
+    try:
+        assert release_shm_buffer(1) and not mine.exists() and other.exists()
+        assert not release_shm_buffer(1)  # nothing left to remove
+    finally:
+        for p in (mine, other):
+            p.unlink(missing_ok=True)

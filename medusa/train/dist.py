@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
@@ -88,7 +89,25 @@ def init_dist(deepspeed: bool = False) -> Dist:
 
 def _close_process_group() -> None:
     if dist.is_initialized():
+        rank = dist.get_rank()
         dist.destroy_process_group()
+        release_shm_buffer(rank)
+
+
+def release_shm_buffer(rank: int) -> bool:
+    """Remove this rank's DeepSpeed CPU all-reduce buffer from /dev/shm (64 MiB or more each), which
+    DeepSpeed creates per rank and never removes: every CPU run under its launcher would otherwise leave
+    them behind in shared memory (RAM) until reboot. Only the name goes: the processes that mapped it keep
+    their mapping until they exit. Returns whether a buffer was removed."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return False
+    path = Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+    try:
+        path.unlink()
+    except OSError:  # none made (GPU, no shm op) or already gone
+        return False
+    return True
 
 
 def shard_frozen(model: torch.nn.Module, d: Dist) -> tuple[int, int]:
