@@ -200,12 +200,15 @@ def test_the_chunk_fills_what_the_target_leaves_and_a_missed_target_is_said_once
     token_ms = curve(1, 64) / 64
     fixed = PrefillBudget("auto", None, curve, target=Target(ms=100))
     assert fixed.tokens(4, 1) == int((100 - curve(4, 1)) / token_ms)
+    assert fixed.tokens(12, 1) == int(curve(12, 1) / token_ms) and fixed.missed  # past it: the step's own time
     budget = PrefillBudget("auto", None, curve, target=Target(factor=2))
     assert budget.tokens(1, 1) == int((2 * curve(1, 1) - curve(1, 1)) / token_ms)  # twice a stream's step alone
     assert budget.target_ms == 2 * curve(1, 1) and not budget.missed
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="medusa.serve.prefill"):
-        for _ in range(5):  # 4 rows' step alone is past twice one row's: the target cannot be kept
-            assert budget.tokens(4, 1) == MIN_CHUNK
+        for _ in range(5):  # 4 rows' step alone is past twice one row's: the target cannot be kept, and the
+            # chunk takes (2 - 1) x the running rows' own step meanwhile, so prompts still advance
+            assert budget.tokens(4, 1) == int(curve(4, 1) / token_ms) > MIN_CHUNK
         assert budget.missed
         budget.tokens(1, 1)
         assert not budget.missed

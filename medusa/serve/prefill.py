@@ -24,6 +24,8 @@ With a latency target (`--tpot-slo`, `Target`) the chunk instead fills what the 
 so running streams keep the target whatever their number, as long as their step alone fits under it with a
 MIN_CHUNK chunk. When it does not (more streams than the machine serves at the target) the target is missed:
 `missed` turns true, once per spell (with hysteresis), and the scheduler says so in the log and in /metrics.
+Meanwhile the chunk is sized as if the target were F x the running rows' own step (a target in ms: twice it), so
+prompts keep advancing at a share of every step rather than MIN_CHUNK tokens at a time.
 A stream's step alone is the decode pass measured with one row running, else the calibrated curve's.
 
 A long prompt of P tokens then waits about P x (time per prompt token) / (share of each step left for prefill)
@@ -122,7 +124,14 @@ class PrefillBudget:
             return min(max(decode_tokens, MIN_CHUNK), MAX_CHUNK)
         if room is None:
             return min(max(int(self.stall * decode_ms / self.token_ms), MIN_CHUNK), MAX_CHUNK)
+        if self.missed:  # the target's share over the running rows' own step: prompts keep advancing
+            room = max(room, self.fallback_share() * decode_ms)
         return min(max(int(room / self.token_ms), MIN_CHUNK), MAX_CHUNK)
+
+    def fallback_share(self) -> float:
+        """While the target cannot be kept: the prefill's part of a step, as a multiple of the running rows'
+        own step (a factor target F keeps F - 1 of it, a target in ms as much as the step itself)."""
+        return self.target.factor - 1 if self.target.factor is not None else 1.0
 
     def step_target(self, width: int, decode_ms: float) -> float:
         """The target in ms: as given, or its factor times a stream's step alone (measured with one row
@@ -140,8 +149,8 @@ class PrefillBudget:
         if not self.missed and room < MIN_CHUNK * (self.token_ms or 0.0):
             self.missed = True
             log.warning("step-time target %.0f ms (%s) cannot be kept: %d running rows take %.0f ms a step "
-                        "alone; prompts are prefilled %d tokens a step until the load falls", target,
-                        self.target, rows, decode_ms, MIN_CHUNK)
+                        "alone; until the load falls, prompts are prefilled in chunks that take %gx that step",
+                        target, self.target, rows, decode_ms, self.fallback_share())
         elif self.missed and decode_ms <= RECOVER * target:
             self.missed = False
             log.info("step-time target %.0f ms kept again (%d running rows, %.0f ms a step alone)", target, rows,
