@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from server_process import ServerProcess
 
 from medusa.decoding.hardware import auto_dtype, machine, provenance

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from medusa.decoding import invariant
 from medusa.decoding.dynamic_tree import TreeShape
 from medusa.decoding.engine import Engine

@@ -10,13 +10,13 @@ import logging
 
 import httpx
 import pytest
+from test_serve import _metric, _wait, alone, client, serve
 
 from medusa.decoding.prefix_cache import PrefixCache
 from medusa.errors import MedusaError
 from medusa.serve.app import create_app
 from medusa.serve.config import ServeConfig, load_config
 from medusa.serve.prefill import MIN_CHUNK, PrefillBudget, Target, parse_tpot_slo
-from test_serve import _metric, _wait, alone, client, serve
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -196,7 +196,7 @@ def test_tpot_slo_spellings():
 
 
 def test_the_chunk_fills_what_the_target_leaves_and_a_missed_target_is_said_once(caplog):
-    curve = lambda b, t: 10.0 * b + 0.5 * t  # noqa: E731  (ms: 10 per row, 0.5 per token)
+    curve = lambda b, t: 10.0 * b + 0.5 * t
     token_ms = curve(1, 64) / 64
     fixed = PrefillBudget("auto", None, curve, target=Target(ms=100))
     assert fixed.tokens(4, 1) == int((100 - curve(4, 1)) / token_ms)

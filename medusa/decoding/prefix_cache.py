@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,7 +49,7 @@ FEATURE_KEY = "feature"  # batch.aux key of a feature head's per-row state (medu
 class _Block:
     slot: int  # index into the pool
     key: tuple  # (parent block's slot or -1, tokens)
-    parent: "_Block | None"
+    parent: _Block | None
     depth: int  # blocks before it
     children: int = 0
     pins: int = 0
@@ -74,7 +75,7 @@ class PrefixStats:
     evictions: int = 0  # blocks evicted
 
 
-def block_bytes(batch: "Batch", block: int) -> int:
+def block_bytes(batch: Batch, block: int) -> int:
     """Bytes one block of `block` tokens takes for this batch's model: K/V of every layer, plus the feature
     head's features when the batch keeps them."""
     data = batch.cache.data
@@ -86,7 +87,7 @@ def block_bytes(batch: "Batch", block: int) -> int:
     return size
 
 
-def _feature_state(batch: "Batch"):
+def _feature_state(batch: Batch):
     state = batch.aux.get(FEATURE_KEY)
     return state if state is not None and hasattr(state, "feats") else None
 
@@ -98,7 +99,7 @@ class PrefixCache:
     lookup(prompt, lease) -> Hit;  restore(batch, slot, prompt, hit);  store(batch, slot, lease);  release(lease)
     """
 
-    def __init__(self, batch: "Batch", budget_bytes: int, block: int = DEFAULT_BLOCK):
+    def __init__(self, batch: Batch, budget_bytes: int, block: int = DEFAULT_BLOCK):
         if block < 1:
             raise MedusaError(f"prefix cache block must be at least 1 token, got {block}")
         self.block = block
@@ -140,7 +141,7 @@ class PrefixCache:
     def budget_bytes(self) -> int:
         return self.capacity * self.block_bytes
 
-    def fits(self, batch: "Batch") -> bool:
+    def fits(self, batch: Batch) -> bool:
         """Whether `batch` has the layout this cache was made for."""
         data = batch.cache.data
         feats = _feature_state(batch)
@@ -184,7 +185,7 @@ class PrefixCache:
             self._pin(lease, chain)
         return Hit(len(chain) * self.block, [blk.slot for blk in chain])
 
-    def restore(self, batch: "Batch", slot: int, prompt: list[int], hit: Hit) -> None:
+    def restore(self, batch: Batch, slot: int, prompt: list[int], hit: Hit) -> None:
         """Write a hit's positions into row `slot` of `batch` as a prefill of prompt[:hit.tokens] would
         leave them: the K/V, the row's committed tokens and the feature head's features."""
         if not hit.tokens:
@@ -202,7 +203,7 @@ class PrefixCache:
             state.feats[slot, :n] = self.feats[idx].reshape(n, -1).to(state.feats.device)
 
     # ---- storing ------------------------------------------------------------------------------------
-    def store(self, batch: "Batch", slot: int, lease: Hashable | None = None) -> int:
+    def store(self, batch: Batch, slot: int, lease: Hashable | None = None) -> int:
         """Keep the full blocks of row `slot`'s committed positions (its prompt, and its output so far) that
         are not cached yet, evicting unheld blocks as needed; with a `lease`, the row's blocks are pinned for
         it (a running request's). Returns the blocks newly stored."""

@@ -13,7 +13,7 @@ restored is a miss, a store that raises keeps nothing; both are logged.
 from __future__ import annotations
 
 import logging
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 
@@ -112,7 +112,7 @@ class ServedPrefixes:
         """The cached prefix of `req`'s prompt, held for it until it leaves the batch."""
         try:
             return self.cache.lookup(req.prompt, lease=req.id)
-        except Exception:  # noqa: BLE001 (the cache never fails a request)
+        except Exception:  # the cache never fails a request
             log.warning("prefix cache lookup failed for request %s; prefilling it whole", req.tag, exc_info=True)
             self.cache.release(req.id)
             return MISS
@@ -124,7 +124,7 @@ class ServedPrefixes:
             return 0
         try:
             self.cache.restore(batch, slot, req.prompt, hit)
-        except Exception:  # noqa: BLE001 (a prefill from position 0 overwrites what was half copied)
+        except Exception:  # a prefill from position 0 overwrites what was half copied
             log.warning("prefix cache restore failed for request %s; prefilling it whole", req.tag, exc_info=True)
             self.cache.release(req.id)
             return 0
@@ -136,7 +136,7 @@ class ServedPrefixes:
         for slot, rid in zip(slots, ids):
             try:
                 self.cache.store(batch, slot, lease=None if leaving else rid)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.warning("prefix cache could not keep request %s's blocks", rid, exc_info=True)
             if leaving:
                 self.cache.release(rid)
