@@ -6,9 +6,10 @@ For each set of texts (held-out distilled answers; the target's own greedy answe
 the head runs unrolled over the teacher-forced features (`feature_eval.rank_paths`): at every answer position
 the rank of the target's token at each draft depth, along the chain the head drafts from there. From these:
 
-    marginal   expected_tau_dynamic over per-depth rank accuracies (rank_accuracy, the product rule)
+    marginal   expected_tau_dynamic over per-depth rank accuracies counted over every position (what
+               eval.json's rank_accuracy held before; now its marginal_rank_accuracy)
     chain      ... over the accuracies at each depth among the positions whose chain was accepted so far
-               (path_accuracy: what eval.json now holds beside rank_accuracy)
+               (path_accuracy: what eval.json's rank_accuracy holds now)
     joint      the same static tree, counted on the positions themselves (no independence assumed)
     measured   tau decoding the prompts with the head drafting `--tree` (batch size 1, greedy)
 
