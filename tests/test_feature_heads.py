@@ -789,12 +789,10 @@ def test_each_named_model_gets_its_own_shipped_head(tmp_path, monkeypatch):
     model when marked preferred, `--heads feature` loads whatever the mark, and `--heads <name>` names it;
     the embedded model's head is never loaded for it, and a head shipped for another model is refused by
     name, as is a named model with no head shipped."""
-    import medusa.decoding.feature_heads as fh
     import medusa.runtime.feature as rf
 
     assets = tmp_path / "assets"
-    monkeypatch.setattr(fh, "ASSETS", assets)
-    monkeypatch.setattr(fh, "SHIPPED_FEATURE_DIR", assets / "feature_heads")
+    monkeypatch.setattr(rf, "ASSETS", assets)
     monkeypatch.setattr(rf, "SHIPPED_FEATURE_DIR", assets / "feature_heads")
     target = tiny_model("llama", vocab=V)
     target.name_or_path = "Qwen2.5-Coder-1.5B-Instruct"  # what loading `--model qwen2.5-coder-1.5b` names it
@@ -803,7 +801,7 @@ def test_each_named_model_gets_its_own_shipped_head(tmp_path, monkeypatch):
     own = assets / "feature_heads-qwen2.5-coder-1.5b"
     random_head(target, seed=3).save(own, meta={"preferred": False, "base_model": target.name_or_path})
 
-    assert fh.shipped_for(target) == "qwen2.5-coder-1.5b" and fh.shipped_for(embedded_like) == "default"
+    assert rf.shipped_for(target) == "qwen2.5-coder-1.5b" and rf.shipped_for(embedded_like) == "default"
     assert rf.resolve_feature("default", target) is None  # shipped, but not marked preferred
     head = rf.resolve_feature("feature", target)
     expected = FeatureHead.load(own, target)
@@ -821,7 +819,7 @@ def test_each_named_model_gets_its_own_shipped_head(tmp_path, monkeypatch):
 
     wider = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=96, intermediate_size=128, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2))
-    assert fh.shipped_for(wider) is None  # no shipped head of its sizes
+    assert rf.shipped_for(wider) is None  # no shipped head of its sizes
     with pytest.raises(MedusaError, match="--heads qwen2.5-coder-1.5b: that head was trained for"):
         rf.resolve_feature("qwen2.5-coder-1.5b", wider)
     shutil.rmtree(own)

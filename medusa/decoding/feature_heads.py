@@ -48,47 +48,7 @@ STYLES = ("eagle1", "eagle3")
 CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaAttention.forward).parameters else "past_key_values"
 WEIGHTS = "feature_head.safetensors"
 CONFIG = "heads.json"
-SHIPPED_FEATURE_DIR = ASSETS / "feature_heads"  # the embedded model's shipped feature head
-
-
-def shipped_feature_dir(model: str | None = None) -> Path:
-    """Where the feature head shipped for a model lives: the embedded model's (`model` None), or a named
-    model's own (`medusa.decoding.model.NAMED_MODELS`, e.g. qwen2.5-coder-1.5b) beside it."""
-    from medusa.decoding.model import NAMED_MODELS
-
-    if model is None:
-        return SHIPPED_FEATURE_DIR
-    if model not in NAMED_MODELS:
-        raise MedusaError(f"--heads: {model!r} is not a named model ({', '.join(sorted(NAMED_MODELS))})")
-    return ASSETS / f"feature_heads-{model}"
-
-
-def shipped_feature_info(model: str | None = None) -> dict | None:
-    """The heads.json of the feature head shipped for `model` (see `shipped_feature_dir`), None if none is."""
-    path = shipped_feature_dir(model) / CONFIG
-    if not path.is_file():
-        return None
-    try:
-        info = json.loads(path.read_text())
-    except ValueError:
-        return None
-    return info if isinstance(info, dict) and info.get("kind") == KIND else None
-
-
-def shipped_for(target: nn.Module) -> str | None:
-    """Which shipped feature head belongs to a loaded target: its named model's own (by short name), or
-    "default" (the embedded model's) for any other target whose hidden and vocabulary sizes it matches;
-    None when no shipped head fits."""
-    from medusa.decoding.model import named_model_of
-
-    named = named_model_of(target)
-    info = shipped_feature_info(named)
-    if info is None:
-        return None
-    config = target.config
-    if info.get("hidden_size") != config.hidden_size or info.get("vocab_size") not in (None, config.vocab_size):
-        return None
-    return named or "default"
+SHIPPED_FEATURE_DIR = ASSETS / "feature_heads"
 
 
 
@@ -258,11 +218,7 @@ class FeatureHead(nn.Module):
     @classmethod
     def load(cls, directory: str | Path, target: nn.Module) -> "FeatureHead":
         """Ours or an EAGLE-1 / EAGLE-3 layout (detected from the files)."""
-        from medusa.decoding.model import NAMED_MODELS
-
-        name = str(directory)
-        d = SHIPPED_FEATURE_DIR if name == "default" else shipped_feature_dir(name) if name in NAMED_MODELS \
-            else Path(directory)
+        d = SHIPPED_FEATURE_DIR if str(directory) == "default" else Path(directory)
         if (d / CONFIG).exists():
             info = json.loads((d / CONFIG).read_text())
             if info.get("kind") != KIND:

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from medusa.decoding.dynamic_tree import TreeShape, is_dynamic, parse_shape
-from medusa.decoding.feature_heads import (SHIPPED_FEATURE_DIR, FeatureHead, read_kind, shipped_feature_dir,
-                                           shipped_feature_info, shipped_for)
-from medusa.decoding.model import NAMED_MODELS
+from medusa.decoding.feature_heads import CONFIG, KIND, SHIPPED_FEATURE_DIR, FeatureHead, read_kind
+from medusa.decoding.model import NAMED_MODELS, named_model_of
+from medusa.io import ASSETS
 from medusa.decoding.feature_proposer import FeatureProposer, expected_tau_dynamic, shape_candidates
 from medusa.decoding.feature_runner import HeadRunner
 from medusa.decoding.retrieval import MergedProposer
@@ -38,18 +38,49 @@ DEFAULT_SHAPE = TreeShape(16, 5)  # when nothing was measured: a middle-sized tr
 MEDUSA_TOPK = 4
 
 
+def shipped_feature_dir(model: str | None = None) -> Path:
+    """Where the feature head shipped for a model lives: the embedded model's (`model` None), or a named
+    model's own (`medusa.decoding.model.NAMED_MODELS`, e.g. qwen2.5-coder-1.5b) beside it. Read at call time
+    (tests point SHIPPED_FEATURE_DIR and ASSETS at copies)."""
+    if model is None:
+        return SHIPPED_FEATURE_DIR
+    if model not in NAMED_MODELS:
+        raise MedusaError(f"--heads: {model!r} is not a named model ({', '.join(sorted(NAMED_MODELS))})")
+    return ASSETS / f"feature_heads-{model}"
+
+
+def shipped_feature_info(model: str | None = None) -> dict | None:
+    """The heads.json of the feature head shipped for `model` (see `shipped_feature_dir`), None if none is."""
+    path = shipped_feature_dir(model) / CONFIG
+    if not path.is_file():
+        return None
+    try:
+        info = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return info if isinstance(info, dict) and info.get("kind", KIND) == KIND else None
+
+
+def shipped_for(target) -> str | None:
+    """Which shipped feature head belongs to a loaded target: its named model's own (by short name), or
+    "default" (the embedded model's) for any other target whose hidden and vocabulary sizes it matches;
+    None when no shipped head fits."""
+    named = named_model_of(target)
+    info = shipped_feature_info(named)
+    if info is None:
+        return None
+    config = target.config
+    if info.get("hidden_size") != config.hidden_size or info.get("vocab_size") not in (None, config.vocab_size):
+        return None
+    return named or "default"
+
+
 def shipped_preferred(hidden_size: int | None = None, model: str | None = None) -> bool:
     """A shipped feature head is the default for its model when marked so (it measured faster than the
     alternatives); `model`: a named model's own head (None: the embedded model's); `hidden_size`: the
     target's, when one is loaded."""
-    path = (SHIPPED_FEATURE_DIR if model is None else shipped_feature_dir(model)) / "heads.json"
-    if not path.is_file():
-        return False
-    try:
-        info = json.loads(path.read_text())
-    except ValueError:
-        return False
-    return bool(info.get("preferred")) and (hidden_size is None or info.get("hidden_size") == hidden_size)
+    info = shipped_feature_info(model)
+    return bool(info and info.get("preferred")) and (hidden_size is None or info.get("hidden_size") == hidden_size)
 
 
 def resolve_feature(spec: str | None, hf_model) -> FeatureHead | None:
@@ -65,7 +96,7 @@ def resolve_feature(spec: str | None, hf_model) -> FeatureHead | None:
         own = shipped_for(hf_model)
         model = None if own in (None, "default") else own
         if own is not None and (spec == "feature" or shipped_preferred(hidden, model)):
-            return FeatureHead.load(own, hf_model)
+            return FeatureHead.load(shipped_feature_dir(model), hf_model)
         if spec == "feature":
             title = getattr(hf_model, "name_or_path", None) or "this model"
             raise MedusaError(f"--heads feature: no feature head is shipped for {title} (shipped: "
@@ -80,7 +111,7 @@ def resolve_feature(spec: str | None, hf_model) -> FeatureHead | None:
         if info.get("hidden_size") != hidden:
             raise MedusaError(f"--heads {spec}: that head was trained for {info.get('base_model') or spec} "
                               f"(hidden size {info.get('hidden_size')}), not this model (hidden size {hidden})")
-        return FeatureHead.load(spec, hf_model)
+        return FeatureHead.load(shipped_feature_dir(spec), hf_model)
     if spec != "default" and Path(spec).is_dir() and read_kind(spec) == "feature":
         return FeatureHead.load(spec, hf_model)
     return None
