@@ -10,15 +10,17 @@ moves it into slot n, where it joins the batch.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
 import torch
 
-from medusa.decoding.outputs import Finished, Stats
+from medusa.decoding.outputs import MAX_TOP_LOGPROBS, Finished, Stats
 from medusa.decoding.proposers import RowState
 from medusa.decoding.sampling import RowSampling, SamplingParams
 from medusa.decoding.transformer import Transformer
+from medusa.errors import MedusaError
 
 
 @dataclass
@@ -111,6 +113,33 @@ class Batch:
         for f in done:
             self.logprobs.pop(f.id, None)
         return done
+
+    @contextmanager
+    def undone_on_failure(self, ids: list[Hashable]):
+        """A failed admission of rows `ids` leaves the batch as it was: new rows go after the first n0, and
+        only they can finish inside the admission, so cutting the batch back to n0 rows undoes it."""
+        n0 = self.n
+        try:
+            yield
+        except BaseException:
+            for i in ids:
+                self.logprobs.pop(i, None)
+            del self.ids[n0:]
+            self.n = n0
+            raise
+
+    def check(self, prompts: list[list[int]], limits: list[int], logprobs: list[int | None]) -> None:
+        """Refuse, by name, prompts and limits this batch cannot take."""
+        for i, (p, m) in enumerate(zip(prompts, limits)):
+            if not p:
+                raise MedusaError(f"prompt {i} is empty")
+            if m <= 0:
+                raise MedusaError(f"max_new_tokens must be positive, got {m}")
+            if m > self.out.shape[1] - 1:
+                raise MedusaError(f"max_new_tokens {m} exceeds this batch's limit {self.out.shape[1] - 1}")
+        for k in logprobs:
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise MedusaError(f"top logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {k}")
 
     def logprobs_k(self) -> int | None:
         """The largest top-k asked for by an active row, or None when no row asked for log-probabilities."""

@@ -21,7 +21,7 @@ from medusa.decoding.proposers import Proposer
 from medusa.decoding.sampling import GREEDY, SamplingParams, argmax, sample_from
 from medusa.decoding.transformer import Transformer, cache_capacity, causal
 from medusa.decoding.tree import ROOT_ONLY
-from medusa.decoding.outputs import MAX_TOP_LOGPROBS, Finished, Generation, StepOutput, TokenLogprobs
+from medusa.decoding.outputs import Finished, Generation, StepOutput, TokenLogprobs, token_logprobs
 from medusa.decoding.verifier import Candidates, GreedyVerifier, SamplingVerifier, Verdict
 
 
@@ -77,7 +77,7 @@ class Engine:
         if len(prompts) > batch.free:
             raise MedusaError(f"batch has room for {batch.free} more rows, {len(prompts)} requested")
         limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        self._check(batch, prompts, limits, logprobs or [])
+        batch.check(prompts, limits, logprobs or [])
         k = len(prompts)
         starts = [0] * k if start is None else list(start)
         if len(starts) != k or any(not 0 <= s < len(p) for s, p in zip(starts, prompts)):
@@ -112,7 +112,7 @@ class Engine:
             raise MedusaError(f"batch is already prefilling request {batch.pending.id!r} in chunks")
         if batch.free < 1:
             raise MedusaError("batch has no free row")
-        self._check(batch, [prompt], [max_new_tokens], [logprobs])
+        batch.check([prompt], [max_new_tokens], [logprobs])
         if not 0 <= start < len(prompt):
             raise MedusaError(f"start position {start} must leave the prompt at least one token to prefill")
         slot = batch.cache.rows - 1
@@ -169,19 +169,6 @@ class Engine:
         pf.done += c
         pf.last = hidden[:, c - 1]
 
-    @staticmethod
-    def _check(batch: Batch, prompts: list[list[int]], limits: list[int], logprobs: list[int | None]) -> None:
-        for i, (p, m) in enumerate(zip(prompts, limits)):
-            if not p:
-                raise MedusaError(f"prompt {i} is empty")
-            if m <= 0:
-                raise MedusaError(f"max_new_tokens must be positive, got {m}")
-            if m > batch.out.shape[1] - 1:
-                raise MedusaError(f"max_new_tokens {m} exceeds this batch's limit {batch.out.shape[1] - 1}")
-        for k in logprobs:
-            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
-                raise MedusaError(f"top logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {k}")
-
     def _prefill(self, batch: Batch, rows: slice, tokens: torch.Tensor, lengths: torch.Tensor,
                  start: int) -> torch.Tensor:
         """One causal pass of prompt tokens [k, T] (right-padded; `lengths` [k]) at positions start.. of
@@ -232,7 +219,7 @@ class Engine:
         new = batch.root[rows, None].clone()
         lp = None
         if batch.logprobs and any(i in batch.logprobs for i in ids):
-            lp = self._logprobs(logits[:, None], new, batch.logprobs_k())
+            lp = token_logprobs(logits[:, None], new, batch.logprobs_k())
         return self._emit(batch, rows, new, torch.ones(k, dtype=torch.long, device=dev), lp)  # accepted: 0
 
     @torch.inference_mode()
@@ -278,7 +265,7 @@ class Engine:
         lp = None
         if batch.logprobs:  # the logits that decided each emitted token: those of the nodes on its path
             at = verdict.path[:, : new.shape[1]]
-            lp = self._logprobs(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), new,
+            lp = token_logprobs(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), new,
                                 batch.logprobs_k())
         width = (proposer.tree.depth if proposer is not None else 0) + 1
         return self._emit(batch, rows, new, verdict.accepted + 1, lp, verdict.accepted, width)
@@ -307,16 +294,6 @@ class Engine:
         batch.stats.row_steps += hidden.shape[0]
         batch.stats.verified_tokens += tokens.numel()
         return new
-
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, new: torch.Tensor, k: int) -> TokenLogprobs:
-        """logits [n, m, V] that decided tokens new [n, m] -> their log-probabilities and the top k."""
-        lp = torch.log_softmax(logits.float(), -1)
-        top = lp.topk(k, -1) if k else None
-        empty = lp.new_zeros(*new.shape, 0)
-        return TokenLogprobs(lp.gather(-1, new[..., None])[..., 0],
-                             top.indices if top is not None else empty.long(),
-                             top.values if top is not None else empty)
 
     def _emit(self, batch: Batch, rows: slice, new: torch.Tensor, count: torch.Tensor,
               logprobs: TokenLogprobs | None = None, accepted: torch.Tensor | None = None,

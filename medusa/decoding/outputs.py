@@ -94,3 +94,13 @@ class Generation:
     @property
     def tokens_per_s(self) -> float:
         return self.stats.new_tokens / max(self.seconds, 1e-9)
+
+
+def token_logprobs(logits: torch.Tensor, new: torch.Tensor, k: int) -> TokenLogprobs:
+    """logits [n, m, V] that decided tokens new [n, m] -> their log-probabilities and the top k."""
+    lp = torch.log_softmax(logits.float(), -1)
+    top = lp.topk(k, -1) if k else None
+    empty = lp.new_zeros(*new.shape, 0)
+    return TokenLogprobs(lp.gather(-1, new[..., None])[..., 0],
+                         top.indices if top is not None else empty.long(),
+                         top.values if top is not None else empty)

@@ -115,6 +115,28 @@ class Metrics:
         self.mode_info = Gauge("medusa_speculation_mode", "1 for the mode of the last step", ["mode"],
                                registry=r)
 
+    def observe_step(self, mode: str, modes, seconds: float, accepted: list[int] | None = None, tree=None) -> None:
+        """One decode step in `mode` (one of `modes`); `accepted` and `tree` for a speculative one."""
+        self.step_seconds.observe(seconds)
+        self.steps.labels(mode).inc()
+        self.spec_steps.labels("on" if tree is not None else "off").inc()
+        self.spec_on.set(1 if tree is not None else 0)
+        for m in modes:
+            self.mode_info.labels(m).set(1 if m == mode else 0)
+        if tree is not None:
+            self.observe_drafts(accepted, tree.size - 1, tree.depth)
+
+    def observe_target(self, target_ms: float | None, missed: bool, was_missed: bool) -> bool:
+        """The step-time target in force and whether it is kept; a spell of misses is counted once, when
+        it starts. Returns `missed` (the caller's state for the next boundary)."""
+        if target_ms is not None:
+            self.tpot_target.set(target_ms / 1000)
+        if missed != was_missed:
+            self.tpot_missed.set(1 if missed else 0)
+            if missed:
+                self.tpot_missed_total.inc()
+        return missed
+
     def observe_drafts(self, accepted: list[int], draft_tokens: int, depth: int) -> None:
         """One speculative step: `accepted[r]` candidates emitted by row r, each row's proposal having
         `draft_tokens` candidates at most `depth` deep."""

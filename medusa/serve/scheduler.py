@@ -56,8 +56,7 @@ class Scheduler:
                  chunked_prefill: bool = True, prefix: ServedPrefixes | None = None):
         """`policy` chooses each step's proposer and sets up their per-row state in every new batch;
         `prefix`: the prefix cache (None: off)."""
-        self.engine, self.policy, self.metrics = engine, policy, metrics
-        self.prefix = prefix
+        self.engine, self.policy, self.metrics, self.prefix = engine, policy, metrics, prefix
         self.missed = False  # the step-time target could not be kept at the last boundary
         self.max_batch, self.max_context, self.budget = max_batch, max_context, budget
         self.admission = Admission(metrics, lambda: self.occupied, max_batch=max_batch, max_queue=max_queue,
@@ -256,17 +255,13 @@ class Scheduler:
 
     @contextmanager
     def _undone_on_failure(self, reqs: list[Request]):
-        """A failed admission leaves the batch as it was: new rows go after the first n0, and only they can
-        finish inside the admission, so cutting the batch back to n0 rows undoes it."""
-        n0 = self.batch.n
+        """A failed admission leaves the batch (`Batch.undone_on_failure`) and the running set as they were."""
         try:
-            yield
+            with self.batch.undone_on_failure([r.id for r in reqs]):
+                yield
         except BaseException:
             for r in reqs:
                 self.running.pop(r.id, None)
-                self.batch.logprobs.pop(r.id, None)
-            del self.batch.ids[n0:]
-            self.batch.n = n0
             raise
 
     def _refuse(self, req: Request, exc: Exception) -> None:
@@ -300,16 +295,9 @@ class Scheduler:
     def _record(self, decision: Decision, proposer: Proposer | None, out: StepOutput, rows: int,
                 seconds: float) -> None:
         """The step's metrics (the policy heard of the step from the engine)."""
-        self.metrics.step_seconds.observe(seconds)
         self.steps += 1
-        self.metrics.steps.labels(decision.mode).inc()
-        spec = proposer is not None
-        self.metrics.spec_steps.labels("on" if spec else "off").inc()
-        self.metrics.spec_on.set(1 if spec else 0)
-        for m in MODES:
-            self.metrics.mode_info.labels(m).set(1 if m == decision.mode else 0)
-        if spec:
-            self.metrics.observe_drafts(out.accepted_list, proposer.tree.size - 1, proposer.tree.depth)
+        self.metrics.observe_step(decision.mode, MODES, seconds, out.accepted_list if proposer is not None else None,
+                                  proposer.tree if proposer is not None else None)
         log.debug("step %d: %s%s rows=%d tau=%.2f %.1f ms", self.steps, decision.mode,
                   f" {decision.tree}" if decision.tree else "", rows, out.tau, 1000 * seconds)
 
@@ -407,13 +395,6 @@ class Scheduler:
         self.metrics.queued.set(len(self.admission))
         if self.prefix is not None:
             self.prefix.update_metrics()
-        budget = self.budget
-        if budget.target is not None:
-            if budget.target_ms is not None:
-                self.metrics.tpot_target.set(budget.target_ms / 1000)
-            if budget.missed != self.missed:
-                self.missed = budget.missed
-                self.metrics.tpot_missed.set(1 if budget.missed else 0)
-                if budget.missed:
-                    self.metrics.tpot_missed_total.inc()
+        if self.budget.target is not None:
+            self.missed = self.metrics.observe_target(self.budget.target_ms, self.budget.missed, self.missed)
 

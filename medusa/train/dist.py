@@ -127,3 +127,27 @@ def shard_frozen(model: torch.nn.Module, d: Dist) -> tuple[int, int]:
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
     params = list(model.parameters())
     return sum(p.to_local().numel() for p in params), sum(p.numel() for p in params)
+
+
+class _OwnEmbeddings:
+    """What a head borrows from its target (`FeatureHead.embed`), here a whole copy of the input embeddings
+    of a target that is sharded: its own are shards outside the target's forward."""
+
+    def __init__(self, embeddings: torch.nn.Module):
+        self.embeddings = embeddings
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embeddings
+
+
+def shard_target(hf, head, d: Dist) -> None:
+    """`target_sharding: fsdp`: the head takes a whole copy of the embeddings it reads (its lm_head rows are
+    its own already), then the target is sharded over every process (medusa.train.dist.shard_frozen)."""
+    import copy
+    import sys
+
+    head._target = [_OwnEmbeddings(copy.deepcopy(hf.get_input_embeddings()).to(d.device).requires_grad_(False))]
+    local, whole = shard_frozen(hf, d)
+    if d.main:
+        print(f"target sharded with FSDP2 over {d.world} processes: rank 0 holds {local:,} of its {whole:,} "
+              "weights", file=sys.stderr, flush=True)

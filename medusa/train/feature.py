@@ -30,7 +30,7 @@ from medusa.io import atomic_dir, read_yaml, validate
 from medusa.train import checkpoint as ckpt
 from medusa.train.config import OptimConfig, RunConfig, StrictConfig, WandbConfig, apply_overrides
 from medusa.train.data import load_examples, split_groups
-from medusa.train.dist import Dist
+from medusa.train.dist import Dist, shard_target
 from medusa.train.feature_data import (Features, OnlineFeatures, cached_features, draft_map, draft_vocabulary,
                                        extract, feature_fn, sequence_order)
 from medusa.train.feature_eval import evaluate_head, evaluate_saved, measure_tau, predicted_tau  # noqa: F401
@@ -39,6 +39,7 @@ from medusa.train.hidden import table_key
 from medusa.train.logs import start_wandb
 from medusa.train.optim import Stepper
 from medusa.train.trainer import fault_injection
+from medusa.train.feature_state import load_state, resume_point, save_state
 
 
 class HeadSection(StrictConfig):
@@ -271,31 +272,6 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
             "train_seconds": train_seconds, "eval": report, "world_size": d.world}
 
 
-class _OwnEmbeddings:
-    """What a head borrows from its target (`FeatureHead.embed`), here a whole copy of the input embeddings
-    of a target that is sharded: its own are shards outside the target's forward."""
-
-    def __init__(self, embeddings: torch.nn.Module):
-        self.embeddings = embeddings
-
-    def get_input_embeddings(self) -> torch.nn.Module:
-        return self.embeddings
-
-
-def shard_target(hf, head, d: Dist) -> None:
-    """`target_sharding: fsdp`: the head takes a whole copy of the embeddings it reads (its lm_head rows are
-    its own already), then the target is sharded over every process (medusa.train.dist.shard_frozen)."""
-    import copy
-
-    from medusa.train.dist import shard_frozen
-
-    head._target = [_OwnEmbeddings(copy.deepcopy(hf.get_input_embeddings()).to(d.device).requires_grad_(False))]
-    local, whole = shard_frozen(hf, d)
-    if d.main:
-        print(f"target sharded with FSDP2 over {d.world} processes: rank 0 holds {local:,} of its {whole:,} "
-              "weights", file=sys.stderr, flush=True)
-
-
 def step_autocast(precision: str, device: torch.device) -> torch.autocast:
     """The autocast context of a training step: bf16 matmuls (fp32 master weights) when `precision` says
     bf16, or says auto and the device multiplies bf16 natively; disabled otherwise."""
@@ -321,7 +297,7 @@ def _train(cfg: FeatureTrainConfig, head, feats: Features, full_to_draft: torch.
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch))
     stepper = Stepper(cfg, d, head, [{"params": [p for p in head.parameters() if p.requires_grad],
                                       "lr": cfg.optim.lr}], total, ddp=False)
-    step, trained, history = _resume(point, head, stepper, meta, d)
+    step, trained, history = load_state(point, head, stepper, meta, d)
     autocast = step_autocast(cfg.precision, next(head.parameters()).device)
     wb = start_wandb(cfg, run_dir) if step < total and d.main else None
     lengths, order, seen = feats.lengths().clamp(max=cfg.data.max_seq_tokens), None, None
@@ -356,7 +332,7 @@ def _train(cfg: FeatureTrainConfig, head, feats: Features, full_to_draft: torch.
         if wb is not None:
             wb.log(row, step=step)
         if step % cfg.checkpoint_every == 0 or step == total:
-            _save(run_dir, head, stepper, meta, step, trained, history, cfg.keep_checkpoints, d)
+            save_state(run_dir, head, stepper, meta, step, trained, history, cfg.keep_checkpoints, d)
         fault_injection(step)
     if wb is not None:
         wb.finish()
@@ -373,74 +349,3 @@ def _log(cfg: FeatureTrainConfig, step: int, total: int, loss: torch.Tensor, lr:
         print(f"step {step}/{total} loss {row['loss']:.4f} top1 [{accs}] tokens {trained} "
               f"{row['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
     return row
-
-
-def _save(run_dir: Path, head, stepper: Stepper, meta, step: int, trained: int, history: list, keep: int,
-          d: Dist | None = None) -> None:
-    """A checkpoint written by rank 0 (with DeepSpeed, every process adds its optimizer partition)."""
-    d = d or Dist()
-    sharded = stepper.engine is not None
-
-    def fill(tmp: Path) -> None:
-        head.save(tmp / "head")
-        optimizer = {} if sharded else stepper.state()
-        torch.save({"step": step, "trained": trained, **optimizer, "rng": ckpt.rng_state(), "history": history,
-                    "world_size": d.world}, tmp / ckpt.STATE)
-
-    if sharded:
-        ckpt.save_sharded(run_dir / "checkpoints", d, stepper.engine, step, meta, fill, keep, {"step": step})
-    elif d.main:
-        ckpt.save_checkpoint(run_dir / "checkpoints", step, meta, fill, keep)
-    d.barrier()
-
-
-def resume_point(run_dir: Path, resume_from: str | None) -> Path | None:
-    """The checkpoint a run continues from: its own latest, else `resume_from` (a checkpoint directory or a
-    run directory), else none."""
-    path = ckpt.latest_checkpoint(run_dir / "checkpoints")
-    if path is not None or resume_from is None:
-        return path
-    src = Path(resume_from)
-    if (src / "meta.json").is_file() and (src / ckpt.STATE).is_file():
-        return src
-    found = ckpt.latest_checkpoint(src / "checkpoints") or ckpt.latest_checkpoint(src)
-    if found is None:
-        raise MedusaError(f"resume_from: {src} is neither a checkpoint (meta.json, {ckpt.STATE}) nor a run "
-                          "directory with checkpoints")
-    return found
-
-
-def _resume(path: Path | None, head, stepper: Stepper, meta, d: Dist | None = None) -> tuple[int, int, list]:
-    """Load checkpoint `path` into the head and the optimizer. A checkpoint of a run without DeepSpeed holds
-    the whole optimizer and resumes at any process count; one with DeepSpeed's partitions (`ds/`) resumes
-    under DeepSpeed, and elsewhere, or where DeepSpeed cannot read it, with fresh optimizer moments (said)."""
-    from safetensors.torch import load_file
-
-    d = d or Dist()
-    if path is None:
-        return 0, 0, []
-    ckpt.check_meta(path, meta)
-    head.load_state_dict(load_file(str(path / "head" / "feature_head.safetensors")), strict=False)
-    st = torch.load(path / ckpt.STATE, map_location="cpu", weights_only=False)
-    fresh = None
-    if stepper.engine is not None:
-        try:
-            if not (path / "ds").is_dir():
-                raise MedusaError("it holds no DeepSpeed optimizer partitions")
-            stepper.engine.load_checkpoint(str(path), tag="ds", load_module_strict=False)
-        except Exception as exc:  # another process count, another ZeRO stage, a checkpoint without DeepSpeed
-            fresh = str(exc).splitlines()[0][:200]
-    elif "optimizer" in st:
-        stepper.load_state(st)
-    else:
-        fresh = "it was saved by DeepSpeed (optimizer partitions), and this run does not use DeepSpeed"
-    if fresh is not None:
-        stepper.sched.last_epoch = int(st["step"]) - 1  # the schedule continues where it was
-        stepper.sched.step()
-        if d.main:
-            print(f"resuming {path}: optimizer moments start fresh ({fresh})", file=sys.stderr)
-    ckpt.set_rng_state(st["rng"])
-    if d.main:
-        print(f"resumed from {path} (step {st['step']}, world size {st.get('world_size', 1)} then, "
-              f"{d.world} now)", file=sys.stderr)
-    return int(st["step"]), int(st["trained"]), list(st.get("history", []))
