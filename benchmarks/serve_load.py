@@ -9,6 +9,10 @@ each fixed policy somewhere.
 
     python benchmarks/serve_load.py --levels 1,2,4,8,16,32 --max-tokens 64 --out serve_load.json
 
+With `--base REV` each policy also gets a server run from revision REV (checked out into a temporary git
+worktree); both revisions' servers take turns in every level, and the report gives this checkout's
+throughput over the base's per policy and level (is a change within noise under load?).
+
 Every loop is bounded: requests per level are fixed, each request and each level have a timeout.
 """
 
@@ -18,6 +22,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +37,7 @@ from medusa.decoding.hardware import provenance
 from medusa.io import write_json_atomic
 
 POLICIES = {"on": "medusa", "off": "plain", "dynamic": "dynamic"}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,8 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--level-timeout", type=float, default=900.0)
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--base", default=None, help="also serve each policy from this git revision, side by side")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
+
+
+def git(*argv: str) -> str:
+    return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
 
 def server_config(mode: str, args: argparse.Namespace) -> dict:
@@ -161,7 +172,16 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = load_prompts(args.prompts)
     workdir = Path(tempfile.mkdtemp(prefix="serve_load-"))
+    base = None
+    if args.base:
+        base = git("rev-parse", "--short", args.base)
+        tree = workdir / "base"
+        git("worktree", "add", "--detach", str(tree), base)
     servers = {n: ServerProcess(n, server_config(POLICIES[n], args), workdir) for n in names}
+    if base:
+        servers.update({f"{n}@{base}": ServerProcess(f"{n}@{base}", server_config(POLICIES[n], args), workdir,
+                                                     root=tree) for n in names})
+    names = list(servers)
     table: dict[str, dict[int, dict]] = {n: {} for n in names}
     try:
         for s in servers.values():
@@ -189,9 +209,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers.values():
             s.stop()
+        if base:
+            git("worktree", "remove", "--force", str(workdir / "base"))
     result = {"model": args.model, "heads": args.heads, "dtype": args.dtype, **provenance(args.dtype),
               "max_tokens": args.max_tokens,
               "levels": levels, "results": table, "verdict": verdict(table, levels)}
+    if base:
+        result.update(base=base, head=git("rev-parse", "--short", "HEAD"), head_over_base={
+            n: {lv: round(table[n][lv]["tokens_per_s"] / table[f"{n}@{base}"][lv]["tokens_per_s"], 3)
+                for lv in levels} for n in names if "@" not in n})
+        print("this checkout's throughput over " + base + ": " + json.dumps(result["head_over_base"]))
     print(markdown(table, levels))
     print(json.dumps(result["verdict"], indent=1))
     if args.out:

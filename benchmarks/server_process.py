@@ -28,15 +28,18 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m medusa.cli serve` with `cfg` (host and port are set here), logging to `workdir/name.log`."""
 
-    def __init__(self, name: str, cfg: dict, workdir: Path):
+    def __init__(self, name: str, cfg: dict, workdir: Path, root: Path | None = None):
+        """`root`: run the server from another checkout of the project (its code first on the path)."""
         self.name, self.port = name, free_port()
         path = workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump({**cfg, "host": HOST, "port": self.port}))
         self.log_path = workdir / f"{name}.log"
         self.log = open(self.log_path, "w")
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        if root is not None:
+            env["PYTHONPATH"] = str(root)
         self.proc = subprocess.Popen([sys.executable, "-m", "medusa.cli", "serve", "--config", str(path)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=root)
         self.url = f"http://{HOST}:{self.port}"
 
     def wait_ready(self, timeout: float) -> None:
