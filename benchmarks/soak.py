@@ -26,6 +26,7 @@ decoded alone and batched) to show how far below the bound it is.
     python benchmarks/soak.py                       # 60 s, 12 clients
     python benchmarks/soak.py --duration 20 --clients 6 --out /tmp/soak.json
     python benchmarks/soak.py --minutes 30 --out benchmarks/results/soak-30min.json
+    python benchmarks/soak.py --minutes 30 --prefix-cache-mb 4 --out soak-prefix.json   # cache evicting throughout
 
 Memory: the server's RSS is sampled every `--rss-every` seconds through the traffic (`benchmarks/rss_trace.py`);
 its trend must stay under 1% per 10 minutes, and the trace is plotted beside the JSON (same name, .png).
@@ -66,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disconnect", type=float, default=0.10, help="fraction of streams dropped mid-way")
     p.add_argument("--oversized", type=float, default=0.05, help="fraction of bodies over the size limit")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--prefix-cache-mb", type=float, default=None,
+                   help="the server's prefix cache budget (small: eviction all through the soak); default: its own")
     p.add_argument("--warmup", type=float, default=None, help="seconds of the same traffic before the baseline "
                    "(default: a tenth of the traffic, at least 15 s: the allocator keeps the largest shapes "
                    "it has served, so the baseline waits until the traffic's shapes have all come by)")
@@ -87,7 +90,18 @@ def server_config(args: argparse.Namespace) -> dict:
     """One thread and a small queue and body limit, so refusals and 413s happen under the load."""
     return {"model": args.model, "heads": args.heads, "dtype": args.dtype, "threads": 1,
             "max_batch": args.max_batch, "max_queue": args.max_queue, "max_context": 512, "queue_timeout_s": 30,
-            "max_body_bytes": args.max_body_bytes, "log_level": "warning"}
+            "max_body_bytes": args.max_body_bytes, "log_level": "warning",
+            **({"prefix_cache_mb": args.prefix_cache_mb} if args.prefix_cache_mb else {})}
+
+
+def prefix_cache_counts(url: str) -> dict[str, float]:
+    """The prefix cache's counters and gauges in /metrics (lookups, hits, evictions, cached tokens, bytes)."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("medusa_prefix_cache_") and not line.startswith("#") and "_created" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name.removeprefix("medusa_prefix_cache_")] = float(value)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,11 +128,13 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.0)
             rss_after = server.rss_mb()
             metrics = outcome_counts(server.url)
+            cache = prefix_cache_counts(server.url)
         finally:
             server.stop()
         log_tail = server.log_path.read_text()[-3000:]
     greedy = judge_mismatches(args, warm.mismatches + tally.mismatches, solo)
     report = build_report(args, tally, warm, elapsed, health, rss_before, rss_after, metrics, log_tail, greedy)
+    report["prefix_cache"] = {"budget_mb": args.prefix_cache_mb, **cache}
     report["rss_trace"] = {"every_s": args.rss_every, "samples": samples,
                            "slope_pct_per_10min": round(slope_pct_per_10min(samples), 3)}
     report["verdict"]["rss_slope_pct_per_10min"] = report["rss_trace"]["slope_pct_per_10min"]
@@ -130,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RSS trend over the traffic: {report['rss_trace']['slope_pct_per_10min']:+.2f}% per 10 minutes "
           f"({len(samples)} samples; flat: under 1%)")
     print_report(report)
+    print("prefix cache: " + ", ".join(f"{k} {v:g}" for k, v in report["prefix_cache"].items()))
     return 0 if report["verdict"]["pass"] else 1
 
 
