@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 
 from medusa.decoding.dynamic_tree import is_dynamic
 from medusa.decoding.lookup import LookupProposer
-from medusa.decoding.proposers import MedusaProposer, Proposer
+from medusa.decoding.proposers import GrowingProposer, MedusaProposer, Proposer
 from medusa.decoding.retrieval import MergedProposer, SuffixProposer
 from medusa.decoding.tree import DEFAULT_TREE, Tree, load_tree
 from medusa.errors import MedusaError
@@ -151,11 +151,8 @@ def _draft(rt: "Runtime", path: str, k: int) -> Proposer:
 
 
 def merged(inner: Proposer | None, retriever=None, spec: str = "medusa+suffix") -> Proposer:
-    """`inner`'s dynamic trees with retrieval branches grafted in."""
-    from medusa.decoding.dynamic_tree import MedusaDynamicProposer
-    from medusa.decoding.feature_proposer import FeatureProposer
-
-    if not isinstance(inner, (FeatureProposer, MedusaDynamicProposer)):
+    """`inner`'s dynamic trees with retrieval branches grafted in (`inner` must grow its trees)."""
+    if not isinstance(inner, GrowingProposer):
         raise MedusaError(f"--mode: {spec!r}: retrieval merges into dynamic trees: feature heads, or Medusa heads "
                           f"with --tree dynamic-N (use suffix alone for plain, static trees, drafts or lookup)")
     return MergedProposer(inner, retriever)
