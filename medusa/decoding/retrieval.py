@@ -236,7 +236,8 @@ def graft(pool: Pool, chains: Chains) -> None:
 
 
 class SuffixProposer(Proposer):
-    """Retrieval alone: a tree of `nodes` candidates per row from its best continuations. Needs no heads."""
+    """Retrieval alone: a tree of `nodes` candidates per row from its best continuations. Needs no heads.
+    Its tree is named as its mode is, `suffix:N`."""
 
     name = "suffix"
 
@@ -247,7 +248,7 @@ class SuffixProposer(Proposer):
                               f"{self.retriever.depth} tokens")
         self.nodes = nodes
         self.max_nodes, self.max_depth = nodes + 1, self.retriever.depth
-        self.tree = stand_in_tree(nodes, self.retriever.depth, f"suffix-{nodes}")
+        self.tree = stand_in_tree(nodes, self.retriever.depth, f"{self.name}:{nodes}")
 
     @torch.inference_mode()
     def draft(self, batch: "Batch") -> RowTrees:

@@ -12,7 +12,8 @@ The one vocabulary of how tokens are drafted, the same in `medusa generate --mod
                      directory or hub id) proposing a chain of `k` tokens
     lookup[:K]       prompt lookup, K tokens (default 8)
     suffix[:N]       retrieval alone: a tree of N nodes (default 16) from the text's own earlier
-                     continuations (`medusa.decoding.retrieval`); needs no heads
+                     continuations (`medusa.decoding.retrieval`); needs no heads. Its tree has the same
+                     name, `suffix:N` (the server's `policy.trees` without heads)
     X+suffix         X's dynamic trees (medusa with feature heads or --tree dynamic-N, feature[:DIR])
                      with retrieval branches grafted in, under X's node budget
 
