@@ -63,7 +63,7 @@ class ProposerSpec:
         text = str(text).strip()
         retrieval = text.endswith(MERGED)
         kind, sep, arg = text.removesuffix(MERGED).partition(":") if retrieval else text.partition(":")
-        if kind not in KINDS:
+        if kind not in BUILDERS:  # read at call time: a builder added later is a kind too
             raise MedusaError(f"{key}: unknown proposer {text!r} (choose {SPECS})")
         if sep and not arg:
             raise MedusaError(f"{key}: {text!r}: nothing after ':' (choose {SPECS})")
