@@ -35,8 +35,8 @@ class Proposer:
     max_nodes:  the most tokens per row one of its verification passes holds, root included (caches are
                 sized by it)
     max_depth:  the deepest candidate it proposes (acceptance histograms are sized by it)
-    tree:       what plans and reports name it by: a static proposer's own tree; for a proposer that grows
-                its trees per row, a stand-in of `max_nodes` nodes, `max_depth` deep, never verified
+    tree:       what plans and reports name it by: a static proposer's own tree; for one that builds its
+                trees per step, a stand-in of the same size and depth, never verified
     attach:     set up per-row state beside a new batch (a `RowState` in `batch.aux`), before any row is
                 prefilled, so the state sees the prompts; stateless proposers need nothing
     draft:      the step's candidate trees for the batch's active rows, one per row

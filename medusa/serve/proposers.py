@@ -45,7 +45,8 @@ def drafts_without_draft_model(rt: Runtime) -> bool:
 
 def default_trees(rt: Runtime) -> dict[int, str]:
     """The trees when neither the config nor a calibration names them: Medusa heads' default static tree,
-    or a middle-sized dynamic tree for feature heads (they grow dynamic trees only)."""
+    a middle-sized dynamic tree for feature heads (they grow dynamic trees only), or without heads
+    retrieval's default tree, named as its mode (`suffix:16`)."""
     if rt.feature is not None:
         from medusa.runtime.feature import DEFAULT_SHAPE
 
