@@ -41,10 +41,8 @@ class Candidates:
 
     @classmethod
     def shared(cls, tokens: torch.Tensor, tree: TreeBuffers, proposal: torch.Tensor | None = None) -> "Candidates":
-        """Every row on the same static tree (expanded views: no copies)."""
-        n = tokens.shape[0]
-        return cls(tokens, tree.paths.expand(n, -1, -1), tree.path_len.expand(n, -1),
-                   tree.children.expand(n, -1, -1), tree.parent.expand(n, -1), tree.depth.expand(n, -1), proposal)
+        """Every row on the same static tree, tokens [n, T] (expanded views: no copies)."""
+        return RowTrees.shared(tokens[:, 1:], tree, proposal).candidates(tokens)
 
     @property
     def depth(self) -> int:
@@ -97,11 +95,6 @@ class RowTrees:
         n = tokens.shape[0]
         return cls(tokens, tree.mask.expand(n, -1, -1), tree.depth.expand(n, -1), tree.paths.expand(n, -1, -1),
                    tree.path_len.expand(n, -1), tree.children.expand(n, -1, -1), tree.parent.expand(n, -1), proposal)
-
-    @property
-    def size(self) -> int:
-        """T: tokens per row in the verification pass, root included."""
-        return self.depth.shape[1]
 
     def candidates(self, tokens: torch.Tensor) -> Candidates:
         """What the verifier reads, for tokens [n, T] (the roots, then `self.tokens`)."""
