@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from medusa.decoding.feature_proposer import FeatureProposer
-from medusa.decoding.proposers import GrowingProposer, StaticProposer
+from medusa.decoding.proposers import StaticProposer
 from medusa.errors import MedusaError
 from medusa.serve.app import create_app
 from medusa.serve.config import PolicyConfig, ServeConfig
@@ -75,8 +75,9 @@ def test_trees_for_each_kind_of_head(feature_rt, rt):
     server = create_app(ServeConfig(dtype="fp32", policy={"trees": {1: "tree-8", 4: "dynamic-8x3"},
                                                                 "calibrate": False}), rt).state.server
     assert sorted(server.policy.medusa) == ["dynamic-8x3", "tree-8"]
-    assert isinstance(server.policy.medusa["dynamic-8x3"], GrowingProposer)
+    # one tree for every row (a static proposer) and a tree per row (the heads' dynamic tree, retrieval grafted)
     assert isinstance(server.policy.medusa["tree-8"], StaticProposer)
+    assert not isinstance(server.policy.medusa["dynamic-8x3"], StaticProposer)
     with pytest.raises(MedusaError, match="policy.trees"):
         create_app(ServeConfig(dtype="fp32", policy={"trees": {1: "dynamic-99x2"}, "calibrate": False}), rt)
 
