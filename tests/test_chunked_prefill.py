@@ -141,16 +141,16 @@ def test_the_pending_slot_is_outside_the_active_rows(small):
 def test_a_fused_pass_gives_each_part_what_its_own_pass_gives(small):
     """`forward_parts` (decode rows with their tree, a prompt chunk) = one `forward` per part: hidden states
     and the K/V each part writes (fp32)."""
-    from medusa.decoding.transformer import causal
+    from medusa.decoding.transformer import PassInputs, causal
 
     model, engine = small
     tr = engine.model
     g = torch.Generator().manual_seed(0)
     toks = torch.randint(0, V, (4, 10), generator=g)
-    parts = [(toks[:3, :5], torch.arange(5).expand(3, 5), slice(0, 3), causal(5, "cpu")),
-             (toks[3:, :10], torch.arange(10)[None], slice(3, 4), causal(10, "cpu"))]
+    parts = [PassInputs(toks[:3, :5], torch.arange(5).expand(3, 5), slice(0, 3), causal(5, "cpu")),
+             PassInputs(toks[3:, :10], torch.arange(10)[None], slice(3, 4), causal(10, "cpu"))]
     cache = tr.new_cache(4, 32)
-    alone = [tr(p[0], p[1], cache, p[2], p[3]) for p in parts]
+    alone = [tr(p.tokens, p.positions, cache, p.rows, p.mask) for p in parts]
     kv = cache.data.clone()
     cache.data.zero_()
     fused = tr.forward_parts(cache, parts)

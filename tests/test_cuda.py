@@ -24,23 +24,26 @@ import torch
 
 from conftest import hf_greedy, mixed_prompts, tiny_model
 from medusa.decoding.engine import Engine
-from medusa.decoding.proposers import MedusaProposer, Proposer
+from medusa.decoding.proposers import MedusaProposer, StaticProposer
 from medusa.decoding.linear import pack_weights
 from medusa.decoding.transformer import RMSNorm, Transformer, attention_dtype, cache_dtype, mirrored_norm
 from medusa.decoding.tree import chain, load_tree
+from medusa.decoding.verifier import RowTrees
 
 cuda = pytest.mark.cuda
 CUDA = torch.device("cuda")
 
 
-class OnDevice(Proposer):
+class OnDevice(StaticProposer):
     """A test proposer that builds its candidates on the CPU, handing them over on the batch's device."""
 
     def __init__(self, inner):
         self.inner, self.tree, self.name = inner, inner.tree, inner.name
 
-    def propose(self, batch):
-        return self.inner.propose(batch).to(batch.root.device)
+    def draft(self, batch):
+        drafted, dev = self.inner.draft(batch), batch.root.device
+        q = None if drafted.proposal is None else drafted.proposal.to(dev)
+        return RowTrees.shared(drafted.tokens.to(dev), self.tree.buffers(dev), q)
 
 
 @pytest.fixture
@@ -248,8 +251,8 @@ def test_chain_proposer_hands_over_on_the_batch_device():
         n = 3
         root = torch.zeros(3, dtype=torch.long, device="meta")
 
-    proposal = OnDevice(SampledChain(3)).propose(FakeBatch())
-    tokens, q = proposal.tokens, proposal.probs
+    drafted = OnDevice(SampledChain(3)).draft(FakeBatch())
+    tokens, q = drafted.tokens, drafted.proposal
     assert tokens.device.type == q.device.type == "meta" and tokens.shape == (3, chain(3).size - 1)
 
 

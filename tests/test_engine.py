@@ -6,7 +6,7 @@ import torch
 from conftest import accepted_drafts, hf_greedy, mixed_prompts, random_heads, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
-from medusa.decoding.proposers import MedusaProposer, Proposal, Proposer
+from medusa.decoding.proposers import MedusaProposer, StaticProposer
 from medusa.decoding.transformer import Transformer
 from medusa.decoding.tree import Tree, chain, load_tree
 
@@ -29,7 +29,7 @@ def test_medusa_with_candidate_vocabulary_matches_plain():
     assert accepted_drafts(spec.stats) > 0  # the restricted heads' drafts took part
 
 
-class OracleProposer(Proposer):
+class OracleProposer(StaticProposer):
     """Proposes the known greedy continuation along rank-0 paths, wrong tokens elsewhere, and breaks the
     correct path at a random depth: rows accept different, known-to-vary numbers of tokens each step."""
 
@@ -39,7 +39,7 @@ class OracleProposer(Proposer):
         self.tree, self.reference, self.vocab = tree, reference, vocab
         self.gen = torch.Generator().manual_seed(seed)
 
-    def propose(self, batch):
+    def fill(self, batch):
         n = batch.n
         out = torch.zeros(n, self.tree.size - 1, dtype=torch.long)
         for r in range(n):
@@ -51,7 +51,7 @@ class OracleProposer(Proposer):
                 good = pos + d - 1 < len(ref) and all(x == 0 for x in path) and d <= cut
                 tok = ref[pos + d - 1] if good else (ref[min(pos + d - 1, len(ref) - 1)] + 1 + path[-1]) % self.vocab
                 out[r, i] = tok
-        return Proposal(out)
+        return out
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -300,7 +300,7 @@ def test_rmsnorm_matches_hf(dtype):
             assert ((got - ref).abs() <= ref.abs() * 2 ** -7 + 1e-6).all()
 
 
-class RightOrWrong(Proposer):
+class RightOrWrong(StaticProposer):
     """Proposes the true greedy continuation for the rows in `right`, a wrong token at every node elsewhere."""
 
     name = "right-or-wrong"
@@ -308,14 +308,14 @@ class RightOrWrong(Proposer):
     def __init__(self, tree: Tree, reference: dict, vocab: int, right: set):
         self.tree, self.reference, self.vocab, self.right = tree, reference, vocab, right
 
-    def propose(self, batch):
+    def fill(self, batch):
         out = torch.zeros(batch.n, self.tree.size - 1, dtype=torch.long)
         for r in range(batch.n):
             ref, pos = self.reference[batch.ids[r]], int(batch.out_len[r])  # ref[pos]: the token after the root
             for i, path in enumerate(self.tree.nodes):
                 tok = ref[pos + len(path) - 1]
                 out[r, i] = tok if batch.ids[r] in self.right else (tok + 1) % self.vocab
-        return Proposal(out)
+        return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -187,3 +187,18 @@ def test_the_vocabulary_check_sees_a_stray_name(tmp_path: Path):
     probe = tmp_path / "probe.py"
     probe.write_text('MODES = ("medusa", "speculative", "plain")\nOTHER = ("hf", "x")\nHEADS = ("default", "medusa")\n')
     assert mode_tuples(probe) == [("MODES", ["medusa", "speculative", "plain"])]
+
+
+def test_a_step_reads_as_its_four_phases():
+    """`Engine.step` is the algorithm: draft, verify pass, accept, commit, each a method of its own, called
+    once and in that order; and no proposer kind is told apart inside it."""
+    tree = ast.parse((PACKAGE / "decoding" / "engine.py").read_text())
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    step = next(n for n in engine.body if isinstance(n, ast.FunctionDef) and n.name == "step")
+    calls = [n.func.attr for n in ast.walk(step) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
+    assert [c for c in calls if c in ("draft", "verify_pass", "accept", "commit")] == \
+        ["draft", "verify_pass", "accept", "commit"]
+    assert not any(isinstance(n, ast.Call) and ast.unparse(n.func) == "isinstance" for n in ast.walk(step))
+    methods = {n.name for n in engine.body if isinstance(n, ast.FunctionDef)}
+    assert {"draft", "verify_pass", "accept", "commit"} <= methods

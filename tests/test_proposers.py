@@ -67,7 +67,7 @@ def test_feature_heads_from_a_directory(rt, feature_dir):
 
 def test_draft_and_lookup(rt):
     draft = build_proposer(rt, "draft:layers:1", k=3)
-    assert isinstance(draft, DraftProposer) and draft.tree.size == 4 and len(draft.draft.layers) == 1
+    assert isinstance(draft, DraftProposer) and draft.tree.size == 4 and len(draft.transformer.layers) == 1
     assert isinstance(draft.model, DraftModel) and draft.model.vocab is None
     lookup = build_proposer(rt, "lookup:5")
     assert isinstance(lookup, LookupProposer) and lookup.k == 5

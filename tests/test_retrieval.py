@@ -234,7 +234,7 @@ def test_auto_mode_without_heads_drafts_from_the_text(small):
     rt = Runtime(model, None, engine.model, engine, None)
     auto = rt.auto(4, progress=False)
     assert isinstance(auto, AutoSpeculation) and not auto.predicted
-    assert auto.plan(1).tree is None or auto.plan(1).tree.name.startswith("suffix-")
+    assert auto.plan(1).tree is None or auto.plan(1).tree.name.startswith("suffix:")
     prompts = mixed_prompts(4, vocab=V, seed=60)
     assert ([o.tokens for o in engine.generate(prompts, 24, policy=auto).outputs]
             == [o.tokens for o in engine.generate(prompts, 24).outputs])

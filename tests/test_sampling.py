@@ -10,7 +10,8 @@ from conftest import hf_greedy, mixed_prompts, random_heads, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
-from medusa.decoding.proposers import MedusaProposer, Proposal, Proposer
+from medusa.decoding.proposers import MedusaProposer, StaticProposer
+from medusa.decoding.verifier import RowTrees
 from medusa.decoding.sampling import SamplingParams
 from medusa.decoding.transformer import Transformer
 from medusa.decoding.tree import chain, load_tree
@@ -79,7 +80,7 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.double), stat / 2))
 
 
-class SampledChain(Proposer):
+class SampledChain(StaticProposer):
     """A chain proposer that draws its tokens from an arbitrary (wrong) distribution q and says so."""
 
     name = "sampled-chain"
@@ -88,12 +89,12 @@ class SampledChain(Proposer):
         self.tree = chain(k)
         self.gen = torch.Generator().manual_seed(seed)
 
-    def propose(self, batch):
+    def draft(self, batch):
         n = batch.n
         logits = torch.randn(n, self.tree.size - 1, V, generator=self.gen) * 1.5
         q = torch.softmax(logits, -1)
         tokens = torch.multinomial(q.view(-1, V), 1, generator=self.gen).view(n, -1)
-        return Proposal(tokens, q)
+        return RowTrees.shared(tokens, self.tree.buffers(), q)
 
 
 PARAMS = SamplingParams(temperature=1.0, acceptance="rejection", seed=None)

@@ -16,11 +16,12 @@ from medusa.decoding.dynamic_tree import MedusaDynamicProposer, TreeShape
 from medusa.decoding.engine import Engine
 from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
 from medusa.decoding.feature_proposer import FeatureProposer
-from medusa.decoding.proposers import MedusaProposer, Proposal, Proposer
+from medusa.decoding.proposers import MedusaProposer, StaticProposer
 from medusa.decoding.retrieval import MergedProposer, Retriever, SuffixProposer
 from medusa.decoding.sampling import SamplingParams
 from medusa.decoding.transformer import Transformer
 from medusa.decoding.tree import Tree, chain
+from medusa.decoding.verifier import RowTrees
 from test_sampling import chi_square_pvalue
 
 V, L, ROWS = 3, 5, 2000
@@ -113,7 +114,7 @@ def test_rejection_keeps_the_joint_distribution_of_five_tokens(setup, name):
     assert hist[0] > 0, (name, hist)  # and rows that rejected everything
 
 
-class LyingChain(Proposer):
+class LyingChain(StaticProposer):
     """A chain of 4 drawn from q, reporting q truthfully at depth 1 and a different distribution below."""
 
     name = "lying-chain"
@@ -122,13 +123,13 @@ class LyingChain(Proposer):
         self.tree = chain(4)
         self.gen = torch.Generator().manual_seed(0)
 
-    def propose(self, batch):
+    def draft(self, batch):
         n = batch.n
         q = torch.softmax(torch.randn(n, 4, V, generator=self.gen) * 1.5, -1)
         tokens = torch.multinomial(q.view(-1, V), 1, generator=self.gen).view(n, 4)
         told = q.clone()
         told[:, 1:] = torch.softmax(torch.randn(n, 3, V, generator=self.gen) * 1.5, -1)
-        return Proposal(tokens, told)
+        return RowTrees.shared(tokens, self.tree.buffers(), told)
 
 
 def test_the_joint_test_notices_a_rejection_wrong_only_below_depth_1(setup):

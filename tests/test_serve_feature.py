@@ -8,9 +8,10 @@ import httpx
 import pytest
 
 from medusa.decoding.feature_proposer import FeatureProposer
+from medusa.decoding.proposers import StaticProposer
 from medusa.errors import MedusaError
 from medusa.serve.app import create_app
-from medusa.serve.config import ServeConfig
+from medusa.serve.config import PolicyConfig, ServeConfig
 from test_feature_heads import random_head
 from test_serve import _metric, alone, check_concurrent_streams, client, serve, tiny_runtime
 
@@ -74,7 +75,9 @@ def test_trees_for_each_kind_of_head(feature_rt, rt):
     server = create_app(ServeConfig(dtype="fp32", policy={"trees": {1: "tree-8", 4: "dynamic-8x3"},
                                                                 "calibrate": False}), rt).state.server
     assert sorted(server.policy.medusa) == ["dynamic-8x3", "tree-8"]
-    assert server.policy.medusa["dynamic-8x3"].owns_step and not server.policy.medusa["tree-8"].owns_step
+    # one tree for every row (a static proposer) and a tree per row (the heads' dynamic tree, retrieval grafted)
+    assert isinstance(server.policy.medusa["tree-8"], StaticProposer)
+    assert not isinstance(server.policy.medusa["dynamic-8x3"], StaticProposer)
     with pytest.raises(MedusaError, match="policy.trees"):
         create_app(ServeConfig(dtype="fp32", policy={"trees": {1: "dynamic-99x2"}, "calibrate": False}), rt)
 
@@ -90,11 +93,13 @@ def test_medusa_heads_over_a_dynamic_tree_match_decoding_alone(rt, tokenizer):
 
 
 def test_retrieval_alone_without_heads(tokenizer):
-    """A model without heads still speculates: retrieval trees (`suffix-N`, the default without heads),
-    every greedy stream equal to its prompt decoded alone; a heads' tree name is refused, naming the key."""
+    """A model without heads still speculates: retrieval trees (`suffix:N`, named as the mode, the default
+    without heads; the old spelling `suffix-N` is read as such), every greedy stream equal to its prompt
+    decoded alone; a heads' tree name is refused, naming the key."""
     bare = tiny_runtime(tokenizer, seed=4, heads=False)
     server = create_app(ServeConfig(dtype="fp32", policy={"mode": "medusa"}), bare).state.server
-    assert list(server.policy.medusa) == ["suffix-16"]
+    assert list(server.policy.medusa) == ["suffix:16"]
+    assert PolicyConfig(trees={1: "suffix-8"}).trees == {1: "suffix:8"}
     with serve(bare, policy={"mode": "medusa", "trees": {1: "suffix-8"}}, max_queue=64) as url:
         check_concurrent_streams(url, bare, tokenizer, 8)
         steps = _metric(httpx.get(url + "/metrics", timeout=10).text, 'medusa_steps_total{mode="medusa"}')

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from medusa.decoding.proposers import Proposer
+from medusa.decoding.proposers import StaticProposer
 from medusa.decoding.sampling import SamplingParams
 from medusa.serve.app import create_app
 from medusa.serve.config import ServeConfig
@@ -163,10 +163,10 @@ def test_proposer_failure_redoes_the_step_without_speculation(rt, tokenizer, sol
     server = app.state.server
     good = server.policy.medusa["tree-8"]
 
-    class Broken(Proposer):
+    class Broken(StaticProposer):
         name, tree = "broken", good.tree
 
-        def propose(self, batch):
+        def fill(self, batch):
             raise RuntimeError("proposer exploded")
 
     server.policy.medusa["tree-8"] = Broken()

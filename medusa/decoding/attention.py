@@ -1,10 +1,38 @@
-"""Attention over a ragged KV cache: the pass mask (cache prefix plus the pass's own block) and the two
-attention paths (batched matmuls for short blocks, the fused kernel for long ones)."""
+"""Attention over a ragged KV cache: the pass mask (cache prefix plus the pass's own block), what every layer
+of a pass reads (`LayerInputs`) and the two attention paths (batched matmuls for short blocks, the fused
+kernel for long ones)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from medusa.decoding.invariant import InvariantPlan
+
+
+@dataclass
+class LayerInputs:
+    """What attention needs in every layer of one pass, built once per pass (`Transformer.prepare`).
+
+    rope:    (cos, signed sin), each [B, T, 1, D]: the block's rotary tables
+    kv:      [layers, 2, B, KV, L, D]: the rows' cache window (a view), L slots
+    row_idx: [B, 1] long, the rows' indices in the window
+    slots:   [B, T] long, where the block's K/V go; or an int, one row's first slot (a contiguous run)
+    mask:    [B, 1, T, L] bool, a `medusa.decoding.invariant.InvariantPlan`, or None (one token of one row:
+             no mask)
+    bias:    [B*KV, G*T, L] float, the mask's additive form for short blocks, or None
+    """
+
+    rope: tuple[torch.Tensor, torch.Tensor]
+    kv: torch.Tensor
+    row_idx: torch.Tensor
+    slots: torch.Tensor | int
+    mask: "torch.Tensor | InvariantPlan | None"
+    bias: torch.Tensor | None
 
 
 def pass_mask(lens: torch.Tensor, visible: torch.Tensor, window: int, start: int | None = None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Classic speculative decoding: a separate, smaller draft model proposes a chain of K tokens.
 
-The draft keeps its own KV cache per batch row (`batch.aux["draft"]`). Each `propose` call
+The draft keeps its own KV cache per batch row (`batch.aux["draft"]`). Each `fill` call (the engine's `draft`)
 
 1. finds, per row, how much of the draft's cache is still valid: the longest prefix on which the tokens it
    was computed from equal the row's committed tokens. KV entries depend only on the tokens before them, so
@@ -30,7 +30,7 @@ import torch
 
 from medusa.errors import MedusaError
 from medusa.io import ASSETS
-from medusa.decoding.proposers import Proposal, Proposer, RowState
+from medusa.decoding.proposers import RowState, StaticProposer
 from medusa.decoding.ragged import aux_state, catch_up, common_prefix, context
 from medusa.decoding.sampling import argmax
 from medusa.decoding.linear import packed_linear, rows_linear
@@ -82,7 +82,7 @@ class DraftModel:
         return self.vocab[best] if self.vocab is not None else best
 
 
-class DraftProposer(Proposer):
+class DraftProposer(StaticProposer):
     """Greedy chain of `k` tokens from a draft Transformer that shares the target's tokenizer."""
 
     name = "draft"
@@ -91,24 +91,24 @@ class DraftProposer(Proposer):
         if k < 1:
             raise MedusaError(f"draft k must be >= 1, got {k}")
         self.model = draft if isinstance(draft, DraftModel) else DraftModel.of(draft)
-        self.draft = self.model.transformer
+        self.transformer = self.model.transformer
         self.k = k
         self.tree = chain(k)
 
     def _state(self, batch: "Batch") -> DraftState:
         # Room for the target's committed prefix, the K speculative slots and one catch-up block.
         need = batch.cache.capacity + self.k + 1
-        return aux_state(batch, AUX_KEY, lambda s: isinstance(s, DraftState) and s.owner is self.draft
+        return aux_state(batch, AUX_KEY, lambda s: isinstance(s, DraftState) and s.owner is self.transformer
                          and s.cache.rows >= batch.cache.rows and s.cache.capacity >= need,
-                         lambda: DraftState(self.draft, batch.cache.rows, need))
+                         lambda: DraftState(self.transformer, batch.cache.rows, need))
 
     @torch.inference_mode()
-    def propose(self, batch: "Batch") -> Proposal:
+    def fill(self, batch: "Batch") -> torch.Tensor:
         n = batch.n
         rows = slice(0, n)
         state = self._state(batch)
         cache = state.cache
-        dev = self.draft.device
+        dev = self.transformer.device
         target_len = batch.cache.lens[rows]
         # Context the draft must have seen: committed tokens, then the pending root at position target_len.
         ctx = context(batch)
@@ -123,25 +123,26 @@ class DraftProposer(Proposer):
         for i in range(1, self.k):
             lens = cache.lens[rows]
             state.tokens[rows].scatter_(1, lens[:, None], token[:, None])
-            hidden = self.draft(token[:, None], lens[:, None], cache, rows, one)
+            hidden = self.transformer(token[:, None], lens[:, None], cache, rows, one)
             cache.lens[rows] += 1
             token = self.model.next_token(hidden[:, 0])
             out[:, i] = token
-        return Proposal(out.to(batch.root.device))
+        return out
 
     def _catch_up(self, state: DraftState, rows: slice, ctx: torch.Tensor, ctx_len: torch.Tensor) -> torch.Tensor:
         """Feed each row ctx[r, cache_len:ctx_len]; return the draft's hidden state after the last one."""
         def run(lens: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
             slots = lens[:, None] + j
             tokens = ctx.gather(1, slots.clamp(max=ctx.shape[1] - 1))
-            hidden = self.draft(tokens, slots, state.cache, rows, causal(len(j), ctx.device))
+            hidden = self.transformer(tokens, slots, state.cache, rows, causal(len(j), ctx.device))
             taken = j < (ctx_len - lens).clamp(min=0)[:, None]
             tok_rows = state.tokens[rows]  # a view: written in place
             slots = slots.clamp(max=tok_rows.shape[1] - 1)
             tok_rows.scatter_(1, slots, torch.where(taken, tokens, tok_rows.gather(1, slots)))
             return hidden
 
-        last = torch.zeros(ctx.shape[0], self.draft.config.hidden_size, dtype=self.draft.dtype, device=ctx.device)
+        net = self.transformer
+        last = torch.zeros(ctx.shape[0], net.config.hidden_size, dtype=net.dtype, device=ctx.device)
         return catch_up(state.cache, rows, ctx_len, last, run)
 
 

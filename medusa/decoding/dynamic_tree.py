@@ -6,15 +6,16 @@ scored by the sum of log-probabilities along its path, the k best become the nex
 steps the N best nodes overall are verified. Scores only fall along a path (ties broken towards the
 shallower node), so a kept node's parent is always kept and the selection is a tree.
 
-Shapes differ by row, so the tree tensors carry a row dimension (`RowTrees`, the batched counterpart of
-`TreeBuffers`); the verifiers (`medusa.decoding.verifier`) read per-row trees anyway. Every row has the same
+Shapes differ by row, so the tree tensors carry a row dimension (`medusa.decoding.verifier.RowTrees`, what
+every proposer's `draft` returns; a static tree's are views of its `TreeBuffers`). Every row has the same
 number of nodes T, so the target pass stays one dense [B, T] block with a [B, T, T] mask. Rows may hold
 *dead* nodes (padding: a row drafting a sampled chain shorter than the others); a dead node sits at depth 1,
 sees only the root and itself, and is on no path and in no child list, so it can never be accepted.
 
-`Engine.step` asks proposers that build such trees (`Proposer.owns_step`) for a step's `RowTrees` with
-`draft`; per-row state that must follow what each step commits (a feature head's features) is a
-`RowState` in `batch.aux` and hears of every step, speculative or not (`committed`).
+Proposers that grow such trees are `medusa.decoding.proposers.GrowingProposer`s: `grow` gives a step's
+`Growth` (the scored pool), `draft` keeps its N best nodes; per-row state that must follow what each step
+commits (a feature head's features) is a `RowState` in `batch.aux` and hears of every step, speculative or
+not (`committed`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from medusa.decoding.proposers import Proposer
+from medusa.decoding.proposers import GrowingProposer
 from medusa.decoding.tree import Tree
-from medusa.decoding.verifier import Candidates
+from medusa.decoding.verifier import RowTrees
 from medusa.errors import MedusaError
 
 if TYPE_CHECKING:
@@ -37,35 +38,6 @@ NEG = float("-inf")
 # from: on the shipped feature head, top-8 expansions of a 16-node tree accepted 0.1 more tokens per step than
 # top-4 (docs/feature-heads.md), for a draft pass over 8 entries instead of 4.
 DEFAULT_TOPK = 8
-
-
-@dataclass
-class RowTrees:
-    """One step's candidate trees, one per row; T nodes per row (root = node 0), D = depth bound.
-
-    tokens:     [n, T-1] long, candidate token of each non-root node
-    mask:       [n, T, T] bool, node i may attend to node j (j is i or an ancestor of i)
-    depth:      [n, T] long, position offset of each node after the committed prefix
-    paths:      [n, T, D+1] long, one root-to-node path per node (the root's and dead nodes' are [0, 0..])
-    path_len:   [n, T] long, non-root nodes on each path (0 for the root and dead nodes)
-    children:   [n, T, C] long, each node's live children in rank order, padded with -1
-    parent:     [n, T] long, each node's parent (the root and dead nodes: 0)
-    proposal:   [n, T-1, V] float or None: the distribution each node's token was drawn from (None: all
-                point masses, i.e. deterministic top-k picks)
-    """
-
-    tokens: torch.Tensor
-    mask: torch.Tensor
-    depth: torch.Tensor
-    paths: torch.Tensor
-    path_len: torch.Tensor
-    children: torch.Tensor
-    parent: torch.Tensor
-    proposal: torch.Tensor | None = None
-
-    def candidates(self, tokens: torch.Tensor) -> Candidates:
-        """What the verifier reads, for tokens [n, T] (the roots, then `self.tokens`)."""
-        return Candidates(tokens, self.paths, self.path_len, self.children, self.parent, self.depth, self.proposal)
 
 
 def row_trees(tokens: torch.Tensor, parent: torch.Tensor, live: torch.Tensor, depth_bound: int,
@@ -141,8 +113,8 @@ def pool_size(depth: int, topk: int) -> int:
 
 
 def stand_in_tree(nodes: int, depth: int, name: str) -> Tree:
-    """A static tree with `nodes` nodes and depth `depth`: what the engine reads for cache sizing and
-    statistics when the real trees are built per step."""
+    """A static tree with `nodes` nodes and depth `depth`, never verified: what plans and reports name a
+    proposer by when its real trees are grown per step (`Proposer.tree`; sizes are `max_nodes`, `max_depth`)."""
     paths = [[0] * d for d in range(1, depth + 1)] + [[i] for i in range(1, nodes - depth + 1)]
     return Tree(paths, name=name)
 
@@ -290,14 +262,13 @@ def expand(logp: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[tor
 # ---- Medusa heads growing a dynamic tree -----------------------------------------------------------
 
 
-class MedusaDynamicProposer(Proposer):
+class MedusaDynamicProposer(GrowingProposer):
     """Medusa heads with a per-row dynamic tree: head d's top-k log-probabilities at the root's hidden state
     score depth d+1 (they do not depend on the parent, so a row's tree is the N most probable paths
     through its own top-k lists). Trees adapt to each row's confidence, where a static tree follows the
     heads' average accuracy."""
 
     name = "medusa-dynamic"
-    owns_step = True
 
     def __init__(self, heads, nodes: int, depth: int, topk: int, projection: torch.nn.Module | None = None):
         if depth > heads.config.num_heads:
@@ -306,6 +277,7 @@ class MedusaDynamicProposer(Proposer):
             raise MedusaError(f"no dynamic tree of {nodes} nodes, depth {depth} and top-{topk}")
         self.heads, self.projection = heads, projection
         self.nodes, self.depth, self.topk = nodes, depth, topk
+        self.max_nodes, self.max_depth = nodes + 1, depth
         self.tree = TreeShape(nodes, depth, topk).stand_in()
 
     def _log_probs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,10 +287,6 @@ class MedusaDynamicProposer(Proposer):
         top = torch.log_softmax(logits.float(), -1).topk(self.topk, -1)
         tok = top.indices if ids is None else ids[top.indices]
         return top.values, tok
-
-    @torch.inference_mode()
-    def draft(self, batch: "Batch") -> RowTrees:
-        return self.grow(batch).pool.trees(self.nodes, self.depth)
 
     @torch.inference_mode()
     def grow(self, batch: "Batch") -> Growth:

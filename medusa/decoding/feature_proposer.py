@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from medusa.decoding.dynamic_tree import DEFAULT_TOPK, NEG, Growth, Pool, RowTrees, TreeShape, expand, pool_size
+from medusa.decoding.dynamic_tree import DEFAULT_TOPK, NEG, Growth, Pool, TreeShape, expand, pool_size
 from medusa.decoding.feature_heads import FeatureHead
 from medusa.decoding.feature_runner import FeatureState, HeadRunner, LayerTaps
-from medusa.decoding.proposers import Proposer
+from medusa.decoding.proposers import GrowingProposer
 from medusa.decoding.ragged import aux_state, catch_up, common_prefix, context, rewound
 from medusa.decoding.sampling import MODE_REJECTION, sample_from
 from medusa.decoding.transformer import Transformer, causal
@@ -28,11 +28,10 @@ if TYPE_CHECKING:
 AUX_KEY = "feature"
 
 
-class FeatureProposer(Proposer):
-    """Drafts a dynamic tree per row with a feature head (`owns_step`: the engine asks for `RowTrees`)."""
+class FeatureProposer(GrowingProposer):
+    """Drafts a dynamic tree per row with a feature head: `grow` runs the head, `draft` keeps the best nodes."""
 
     name = "feature"
-    owns_step = True
 
     def __init__(self, head: FeatureHead, target: Transformer, shape: TreeShape | None = None,
                  sample_chain: bool = True, vocab: int | None = None, runner: HeadRunner | None = None):
@@ -44,6 +43,7 @@ class FeatureProposer(Proposer):
         if self.shape.topk > self.runner.vocab:
             raise MedusaError(f"top-{self.shape.topk} expansions need more than the head's "
                               f"{self.runner.vocab} draft tokens")
+        self.max_nodes, self.max_depth = self.shape.nodes + 1, self.shape.depth
         self.tree = self.shape.stand_in()
         # Rows sampled with rejection acceptance draft a chain sampled from the head's distribution and
         # hand it to the verifier (min(1, p/q) accepts more than a point mass when q is close to p).
@@ -62,11 +62,6 @@ class FeatureProposer(Proposer):
                          and s.cache.rows >= batch.cache.rows and s.cache.capacity >= need,
                          lambda: FeatureState(self.runner, batch.cache.rows, need, self.head.config.feature_dim,
                                               self.taps))
-
-    @torch.inference_mode()
-    def draft(self, batch: "Batch") -> RowTrees:
-        grown = self.grow(batch)
-        return grown.pool.trees(self.shape.nodes, grown.depth, grown.proposal)
 
     @torch.inference_mode()
     def grow(self, batch: "Batch") -> Growth:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from medusa.errors import MedusaError
-from medusa.decoding.proposers import Proposal, Proposer
+from medusa.decoding.proposers import StaticProposer
 from medusa.decoding.ragged import context
 from medusa.decoding.tree import chain
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from medusa.decoding.batch import Batch
 
 
-class LookupProposer(Proposer):
+class LookupProposer(StaticProposer):
     name = "lookup"
 
     def __init__(self, k: int = 8, max_ngram: int = 3, min_ngram: int = 1):
@@ -34,9 +34,9 @@ class LookupProposer(Proposer):
         self.tree = chain(k)
 
     @torch.inference_mode()
-    def propose(self, batch: "Batch") -> Proposal:
+    def fill(self, batch: "Batch") -> torch.Tensor:
         ctx = context(batch)
-        return Proposal(propose_from(ctx, batch.cache.lens[: batch.n] + 1, self.k, self.max_ngram, self.min_ngram))
+        return propose_from(ctx, batch.cache.lens[: batch.n] + 1, self.k, self.max_ngram, self.min_ngram)
 
 
 def propose_from(ctx: torch.Tensor, ctx_len: torch.Tensor, k: int, max_ngram: int, min_ngram: int) -> torch.Tensor:

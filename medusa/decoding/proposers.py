@@ -1,15 +1,18 @@
 """Proposers: where the candidate tokens of a verification pass come from.
 
-Every proposer implements `Proposer`, the whole contract the engine, auto mode and the server rely on. A
-static proposer owns a fixed tree and, each step, fills its non-root nodes with tokens for every active row
-(`propose`); a per-row tree proposer grows a different tree per row (`owns_step`, `draft`). Per-row state a
-proposer keeps beside a batch (a draft model's cache, a feature head's features, retrieval's automata) is a
-`RowState` in `batch.aux`. The engine does the rest (one target pass, verification, cache commit).
+Every proposer implements `Proposer`, the whole contract the engine, auto mode and the server rely on: each
+step the engine asks it to `draft` a candidate tree per active row (`medusa.decoding.verifier.RowTrees`), and
+reads `max_nodes` and `max_depth` to size caches and statistics. Two bases fill in `draft` for the usual
+kinds: a `StaticProposer` owns one fixed tree and only `fill`s its nodes with tokens for every row (the tree's
+precomputed buffers are shared by every row: no per-row tree work); a `GrowingProposer` grows a pool of
+scored nodes per row (`grow`) and keeps the best `max_nodes - 1` of them (retrieval grafts onto that pool).
+Per-row state a proposer keeps beside a batch (a draft model's cache, a feature head's features,
+retrieval's automata) is a `RowState` in `batch.aux`. The engine does the rest (one target pass,
+verification, cache commit).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,55 +20,78 @@ import torch
 from medusa.errors import MedusaError
 from medusa.decoding.heads import MedusaHeads
 from medusa.decoding.tree import DEFAULT_TREE, Tree, load_tree
+from medusa.decoding.verifier import RowTrees
 
 if TYPE_CHECKING:
-    from medusa.decoding.dynamic_tree import RowTrees
     from medusa.decoding.batch import Batch
+    from medusa.decoding.dynamic_tree import Growth
     from medusa.decoding.verifier import Verdict
-
-
-@dataclass
-class Proposal:
-    """One step's candidates for the batch's n active rows, in tree node order.
-
-    tokens: [n, tree.size - 1] long
-    probs:  [n, tree.size - 1, V] float or None: the distribution each token was drawn from, when the
-            proposer sampled its drafts (None: deterministic picks, point masses to the verifier)
-    """
-
-    tokens: torch.Tensor
-    probs: torch.Tensor | None = None
-
-    def to(self, device: torch.device | str) -> "Proposal":
-        return Proposal(self.tokens.to(device), None if self.probs is None else self.probs.to(device))
 
 
 class Proposer:
     """What every proposer is.
 
     name:       what reports and metrics call it
-    tree:       static proposers: the tree every row's candidates fill; per-row tree proposers: a stand-in
-                with the largest size and depth they ever propose (caches and histograms are sized by it)
-    owns_step:  False: the engine asks `propose` for candidates filling `tree`; True: it asks `draft` for a
-                tree per row (`medusa.decoding.dynamic_tree.RowTrees`)
+    max_nodes:  the most tokens per row one of its verification passes holds, root included (caches are
+                sized by it)
+    max_depth:  the deepest candidate it proposes (acceptance histograms are sized by it)
+    tree:       what plans and reports name it by: a static proposer's own tree; for one that builds its
+                trees per step, a stand-in of the same size and depth, never verified
     attach:     set up per-row state beside a new batch (a `RowState` in `batch.aux`), before any row is
                 prefilled, so the state sees the prompts; stateless proposers need nothing
+    draft:      the step's candidate trees for the batch's active rows, one per row
     """
 
     name: str = "proposer"
+    max_nodes: int
+    max_depth: int
     tree: Tree
-    owns_step: bool = False
 
     def attach(self, batch: "Batch") -> None:
         """Per-row state for `batch`, made before its rows are prefilled (default: none)."""
 
-    def propose(self, batch: "Batch") -> Proposal:
-        """Candidates for the batch's active rows, filling `tree` (static proposers)."""
-        raise NotImplementedError(f"{self.name} drafts a tree per row: the engine calls draft()")
+    def draft(self, batch: "Batch") -> RowTrees:
+        """One candidate tree per active row (rows [0, batch.n)), at most `max_nodes` nodes, `max_depth` deep."""
+        raise NotImplementedError
 
-    def draft(self, batch: "Batch") -> "RowTrees":
-        """One tree per active row (proposers with `owns_step`)."""
-        raise NotImplementedError(f"{self.name} fills one static tree: the engine calls propose()")
+
+class StaticProposer(Proposer):
+    """A proposer of one fixed `tree`, the same for every row: it gives each row's candidate tokens in the
+    tree's node order (`fill`), and the rows share the tree's precomputed buffers."""
+
+    @property
+    def max_nodes(self) -> int:
+        return self.tree.size
+
+    @property
+    def max_depth(self) -> int:
+        return self.tree.depth
+
+    def fill(self, batch: "Batch") -> torch.Tensor:
+        """The candidate of each non-root node for every active row: [n, tree.size - 1] long."""
+        raise NotImplementedError
+
+    def draft(self, batch: "Batch") -> RowTrees:
+        if self.tree.size == 1:  # the root alone: nothing to fill
+            tokens = batch.root[: batch.n, None][:, :0]
+        else:
+            tokens = self.fill(batch).to(batch.root.device)
+        return RowTrees.shared(tokens, self.tree.buffers(tokens.device))
+
+
+class GrowingProposer(Proposer):
+    """A proposer that grows a tree per row: every step it generates a pool of scored nodes (`grow`), and
+    its draft is the best `max_nodes - 1` of them. `medusa.decoding.retrieval.MergedProposer` grafts
+    retrieval's branches onto that pool before the cut."""
+
+    def grow(self, batch: "Batch") -> "Growth":
+        """The step's whole pool of drafted nodes for the active rows (`medusa.decoding.dynamic_tree.Growth`)."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def draft(self, batch: "Batch") -> RowTrees:
+        grown = self.grow(batch)
+        return grown.pool.trees(self.max_nodes - 1, grown.depth, grown.proposal)
 
 
 class RowState:
@@ -85,7 +111,7 @@ class RowState:
         `verdict` says what each row kept."""
 
 
-class MedusaProposer(Proposer):
+class MedusaProposer(StaticProposer):
     """Each head's top-k on the hidden state that produced the root, arranged as the tree says."""
 
     name = "medusa"
@@ -101,8 +127,8 @@ class MedusaProposer(Proposer):
                               f"heads can propose only {vocab}")
 
     @torch.inference_mode()
-    def propose(self, batch: "Batch") -> Proposal:
+    def fill(self, batch: "Batch") -> torch.Tensor:
         hidden = batch.hidden[: batch.n]
         top = self.heads.top_tokens(hidden, self.tree.topk, self.tree.depth, self.projection)  # [D, n, k]
         flat = top.permute(1, 0, 2).reshape(hidden.shape[0], -1)
-        return Proposal(flat[:, self.tree.buffers(hidden.device).cand_index])
+        return flat[:, self.tree.buffers(hidden.device).cand_index]

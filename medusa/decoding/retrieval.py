@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Hashable
 
 import torch
 
-from medusa.decoding.dynamic_tree import NEG, Growth, Pool, RowTrees, stand_in_tree
-from medusa.decoding.proposers import Proposer, RowState
+from medusa.decoding.dynamic_tree import NEG, Growth, Pool, stand_in_tree
+from medusa.decoding.proposers import GrowingProposer, Proposer, RowState
 from medusa.decoding.ragged import aux_state, context
 from medusa.decoding.suffix import Datastore, Matcher, SuffixAutomaton
+from medusa.decoding.verifier import RowTrees
 from medusa.errors import MedusaError
 
 if TYPE_CHECKING:
@@ -235,10 +236,10 @@ def graft(pool: Pool, chains: Chains) -> None:
 
 
 class SuffixProposer(Proposer):
-    """Retrieval alone: a tree of `nodes` candidates per row from its best continuations. Needs no heads."""
+    """Retrieval alone: a tree of `nodes` candidates per row from its best continuations. Needs no heads.
+    Its tree is named as its mode is, `suffix:N`."""
 
     name = "suffix"
-    owns_step = True
 
     def __init__(self, nodes: int = 16, retriever: Retriever | None = None):
         self.retriever = retriever or Retriever()
@@ -246,7 +247,8 @@ class SuffixProposer(Proposer):
             raise MedusaError(f"suffix: {nodes} nodes do not fit {self.retriever.branches} branches of "
                               f"{self.retriever.depth} tokens")
         self.nodes = nodes
-        self.tree = stand_in_tree(nodes, self.retriever.depth, f"suffix-{nodes}")
+        self.max_nodes, self.max_depth = nodes + 1, self.retriever.depth
+        self.tree = stand_in_tree(nodes, self.retriever.depth, f"{self.name}:{nodes}")
 
     @torch.inference_mode()
     def draft(self, batch: "Batch") -> RowTrees:
@@ -257,17 +259,15 @@ class SuffixProposer(Proposer):
 
 
 class MergedProposer(Proposer):
-    """A tree proposer's dynamic tree with retrieval branches grafted in, under the inner tree's budget."""
+    """A growing proposer's dynamic tree with retrieval branches grafted in, under the inner tree's budget."""
 
-    owns_step = True
-
-    def __init__(self, inner: Proposer, retriever: Retriever | None = None):
+    def __init__(self, inner: GrowingProposer, retriever: Retriever | None = None):
         self.inner = inner
         self.retriever = retriever or Retriever()
-        self.nodes = inner.tree.size - 1
+        self.nodes = inner.max_nodes - 1
         self.name = f"{inner.name}+suffix"
-        depth = max(inner.tree.depth, self.retriever.depth)
-        self.tree = stand_in_tree(self.nodes, depth, f"{inner.tree.name}+suffix")
+        self.max_nodes, self.max_depth = inner.max_nodes, max(inner.max_depth, self.retriever.depth)
+        self.tree = stand_in_tree(self.nodes, self.max_depth, f"{inner.tree.name}+suffix")
 
     def attach(self, batch: "Batch") -> None:
         self.inner.attach(batch)  # retrieval's automata are fed at the first draft

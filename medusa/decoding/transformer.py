@@ -10,23 +10,41 @@ committed prefix and see that prefix plus whatever the pass mask allows inside t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from medusa.errors import MedusaError
 from medusa.decoding import invariant
-from medusa.decoding.attention import attention, pass_mask, short_block_bias
+from medusa.decoding.attention import LayerInputs, attention, pass_mask, short_block_bias
 from medusa.decoding.linear import Linear, fuse, packed_linear
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
+
+@dataclass
+class PassInputs:
+    """One block of tokens per row for a target pass (a candidate tree per row, a prompt chunk).
+
+    tokens:    [B, T] long
+    positions: [B, T] long, each token's position in its sequence
+    rows:      slice, the cache rows the B rows are (their K/V go after each one's cached length)
+    mask:      [T, T] or [B, T, T] bool, which block entries each token sees
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    rows: slice
+    mask: torch.Tensor
 
 
 def causal(t: int, device: torch.device | str) -> torch.Tensor:
     """[t, t] bool: each position of a block sees itself and the positions before it (the one causal mask:
     prefills, catch-up blocks, calibration passes)."""
     return torch.ones(t, t, dtype=torch.bool, device=device).tril()
+
 
 class KVCache:
     """Keys and values of every layer in one tensor [layers, 2, rows, kv_heads, capacity, head_dim].
@@ -151,34 +169,32 @@ class Transformer(nn.Module):
                 block_mask: torch.Tensor) -> torch.Tensor:
         """tokens/positions [B, T]; block_mask [T, T] (or [B, T, T]) says which block entries each sees."""
         self.passes += 1
-        x, (rope, data, row_idx, slots, mask, bias) = self.prepare(tokens, positions, cache, rows, block_mask)
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, rope, data[i], row_idx, slots, mask, bias)  # (no per-call hook machinery)
+        x, at = self.prepare(PassInputs(tokens, positions, rows, block_mask), cache)
+        for i, layer in enumerate(self.layers):  # (no per-call hook machinery)
+            x = layer.forward(x, at.rope, at.kv[i], at.row_idx, at.slots, at.mask, at.bias)
         return self.norm.forward(x)
 
-    def forward_parts(self, cache: KVCache, parts: list[tuple[torch.Tensor, torch.Tensor, slice, torch.Tensor]]
-                      ) -> list[torch.Tensor]:
-        """One pass over several parts, each (tokens, positions, rows, block_mask) as `forward` takes them
-        (the running rows' candidate trees, a prompt chunk): the linear layers run once over every part's
-        tokens, so the weights are read once, and attention runs per part. -> each part's hidden [B, T, h]."""
+    def forward_parts(self, cache: KVCache, parts: list[PassInputs]) -> list[torch.Tensor]:
+        """One pass over several parts (the running rows' candidate trees, a prompt chunk): the linear
+        layers run once over every part's tokens, so the weights are read once, and attention runs per
+        part. -> each part's hidden [B, T, h]."""
         self.passes += 1
-        ready = [self.prepare(*p[:2], cache, *p[2:]) for p in parts]
+        ready = [self.prepare(p, cache) for p in parts]
         shapes = [x.shape[:2] for x, _ in ready]
         sizes = [b * t for b, t in shapes]
         x = torch.cat([x.reshape(1, n, -1) for (x, _), n in zip(ready, sizes)], dim=1)  # [1, N, h]
         for i, layer in enumerate(self.layers):
             qkv = layer.wqkv.forward(layer.ln1.forward(x))
-            o = [layer.attend(q.view(b, t, layer.nq + 2 * layer.nkv, layer.head_dim), rope, data[i], *rest)
-                 .reshape(1, b * t, -1)
-                 for q, (b, t), (_, (rope, data, *rest)) in zip(qkv.split(sizes, dim=1), shapes, ready)]
+            o = [layer.attend(q.view(b, t, layer.nq + 2 * layer.nkv, layer.head_dim), at.rope, at.kv[i], at.row_idx,
+                              at.slots, at.mask, at.bias).reshape(1, b * t, -1)
+                 for q, (b, t), (_, at) in zip(qkv.split(sizes, dim=1), shapes, ready)]
             x = layer.mlp(layer.wo.plus(torch.cat(o, dim=1), x))
         x = self.norm.forward(x)
         return [h.view(b, t, -1) for h, (b, t) in zip(x.split(sizes, dim=1), shapes)]
 
-    def prepare(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
-                block_mask: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-        """A pass's embeddings [B, T, h] and what its attention needs in every layer: rope tables, the
-        rows' cache window, where the block's K/V go, the masks."""
+    def prepare(self, part: PassInputs, cache: KVCache) -> tuple[torch.Tensor, LayerInputs]:
+        """A pass's embeddings [B, T, h] and what its attention needs in every layer."""
+        tokens, rows, block_mask = part.tokens, part.rows, part.mask
         b, t = tokens.shape
         lens = cache.lens[rows]
         window = int(lens.max()) + t
@@ -195,9 +211,9 @@ class Transformer(nn.Module):
         # Where this block's K/V go (one row: a contiguous run from its length).
         slots = start if start is not None else lens[:, None] + torch.arange(t, device=tokens.device)
         x = self.embed(tokens)
-        rope = self.rope(x, positions, cache.capacity)
+        rope = self.rope(x, part.positions, cache.capacity)
         row_idx = torch.arange(b, device=tokens.device)[:, None]
-        return x, (rope, cache.data[:, :, rows, :, :window], row_idx, slots, mask, bias)
+        return x, LayerInputs(rope, cache.data[:, :, rows, :, :window], row_idx, slots, mask, bias)
 
     def _pass_masks(self, lens: torch.Tensor, block_mask: torch.Tensor, t: int, window: int, kv_dtype: torch.dtype,
                     start: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:

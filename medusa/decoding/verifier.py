@@ -1,8 +1,10 @@
 """Verification: given the target's logits over a candidate tree, keep the longest agreeing path.
 
-One verifier serves every proposer: a chain (draft model) is a tree with one path, plain decoding is the
-tree with only the root, and a static tree is a per-row tree that every row happens to share
-(`Candidates.shared`), so dynamic trees (`medusa.decoding.dynamic_tree`) are verified by the same code.
+Every proposer's `draft` returns `RowTrees`, a candidate tree per row; the engine puts the pending roots in
+front (`RowTrees.candidates`) and the verifiers read the result. One verifier serves every proposer: a chain
+(draft model) is a tree with one path, plain decoding is the tree with only the root, and a static tree is a
+per-row tree that every row happens to share (`RowTrees.shared`: views of the tree's precomputed buffers),
+so dynamic trees (`medusa.decoding.dynamic_tree`) are verified by the same code.
 """
 
 from __future__ import annotations
@@ -39,10 +41,8 @@ class Candidates:
 
     @classmethod
     def shared(cls, tokens: torch.Tensor, tree: TreeBuffers, proposal: torch.Tensor | None = None) -> "Candidates":
-        """Every row on the same static tree (expanded views: no copies)."""
-        n = tokens.shape[0]
-        return cls(tokens, tree.paths.expand(n, -1, -1), tree.path_len.expand(n, -1),
-                   tree.children.expand(n, -1, -1), tree.parent.expand(n, -1), tree.depth.expand(n, -1), proposal)
+        """Every row on the same static tree, tokens [n, T] (expanded views: no copies)."""
+        return RowTrees.shared(tokens[:, 1:], tree, proposal).candidates(tokens)
 
     @property
     def depth(self) -> int:
@@ -59,6 +59,46 @@ class Candidates:
         ok = ok & (torch.arange(self.depth, device=ok.device) < self.path_len[:, :, None])
         accepted, best = ok.long().cumprod(-1).sum(-1).max(-1)
         return accepted, self.paths[torch.arange(ok.shape[0], device=ok.device), best]
+
+
+@dataclass
+class RowTrees:
+    """One step's draft: a candidate tree per row, what every proposer's `draft` returns. n rows, T nodes
+    per row (root = node 0, the pending token the target chose last step), P paths, depth bound D.
+
+    tokens:     [n, T-1] long, candidate token of each non-root node
+    mask:       [n, T, T] bool, node i may attend to node j (j is i or an ancestor of i)
+    depth:      [n, T] long, each node's depth: its position offset after the committed prefix
+    paths:      [n, P, D+1] long, root-to-node paths the verifier searches, padded by repeating the last
+                node (a static tree's: one per leaf; a grown tree's: one per node, the root's and dead
+                nodes' [0, 0, ..])
+    path_len:   [n, P] long, non-root nodes on each path (0: a path that can accept nothing)
+    children:   [n, T, C] long, each node's live children in rank order, padded with -1
+    parent:     [n, T] long, each node's parent (the root and dead nodes: 0)
+    proposal:   [n, T-1, V] float or None: the distribution each node's token was drawn from (None: all
+                point masses, i.e. deterministic top-k picks)
+    """
+
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    depth: torch.Tensor
+    paths: torch.Tensor
+    path_len: torch.Tensor
+    children: torch.Tensor
+    parent: torch.Tensor
+    proposal: torch.Tensor | None = None
+
+    @classmethod
+    def shared(cls, tokens: torch.Tensor, tree: TreeBuffers, proposal: torch.Tensor | None = None) -> "RowTrees":
+        """Every row on one static tree: tokens [n, T-1] fill its nodes; the tree's tensors are expanded
+        views of its precomputed buffers (no copies)."""
+        n = tokens.shape[0]
+        return cls(tokens, tree.mask.expand(n, -1, -1), tree.depth.expand(n, -1), tree.paths.expand(n, -1, -1),
+                   tree.path_len.expand(n, -1), tree.children.expand(n, -1, -1), tree.parent.expand(n, -1), proposal)
+
+    def candidates(self, tokens: torch.Tensor) -> Candidates:
+        """What the verifier reads, for tokens [n, T] (the roots, then `self.tokens`)."""
+        return Candidates(tokens, self.paths, self.path_len, self.children, self.parent, self.depth, self.proposal)
 
 
 @dataclass

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     fixed.update(bench_methods(rt, args.feature))
     suffix = rt.proposer("suffix")  # retrieval alone: what auto mode grafts onto the heads' trees
-    fixed[f"suffix:{suffix.tree.name}"] = suffix
+    fixed[suffix.tree.name] = suffix  # suffix:N, named as its mode
     prompts = rt.encode([t for source in args.prompts.split(",") for t in load_prompts(source, args.num_prompts)])
     rt.auto(1)  # calibrate (once per machine) before anything is timed
     n_new = args.max_new_tokens

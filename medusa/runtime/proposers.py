@@ -12,7 +12,8 @@ The one vocabulary of how tokens are drafted, the same in `medusa generate --mod
                      directory or hub id) proposing a chain of `k` tokens
     lookup[:K]       prompt lookup, K tokens (default 8)
     suffix[:N]       retrieval alone: a tree of N nodes (default 16) from the text's own earlier
-                     continuations (`medusa.decoding.retrieval`); needs no heads
+                     continuations (`medusa.decoding.retrieval`); needs no heads. Its tree has the same
+                     name, `suffix:N` (the server's `policy.trees` without heads)
     X+suffix         X's dynamic trees (medusa with feature heads or --tree dynamic-N, feature[:DIR])
                      with retrieval branches grafted in, under X's node budget
 
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 
 from medusa.decoding.dynamic_tree import is_dynamic
 from medusa.decoding.lookup import LookupProposer
-from medusa.decoding.proposers import MedusaProposer, Proposer
+from medusa.decoding.proposers import GrowingProposer, MedusaProposer, Proposer
 from medusa.decoding.retrieval import MergedProposer, SuffixProposer
 from medusa.decoding.tree import DEFAULT_TREE, Tree, load_tree
 from medusa.errors import MedusaError
@@ -62,7 +63,7 @@ class ProposerSpec:
         text = str(text).strip()
         retrieval = text.endswith(MERGED)
         kind, sep, arg = text.removesuffix(MERGED).partition(":") if retrieval else text.partition(":")
-        if kind not in KINDS:
+        if kind not in BUILDERS:  # read at call time: a builder added later is a kind too
             raise MedusaError(f"{key}: unknown proposer {text!r} (choose {SPECS})")
         if sep and not arg:
             raise MedusaError(f"{key}: {text!r}: nothing after ':' (choose {SPECS})")
@@ -151,11 +152,8 @@ def _draft(rt: "Runtime", path: str, k: int) -> Proposer:
 
 
 def merged(inner: Proposer | None, retriever=None, spec: str = "medusa+suffix") -> Proposer:
-    """`inner`'s dynamic trees with retrieval branches grafted in."""
-    from medusa.decoding.dynamic_tree import MedusaDynamicProposer
-    from medusa.decoding.feature_proposer import FeatureProposer
-
-    if not isinstance(inner, (FeatureProposer, MedusaDynamicProposer)):
+    """`inner`'s dynamic trees with retrieval branches grafted in (`inner` must grow its trees)."""
+    if not isinstance(inner, GrowingProposer):
         raise MedusaError(f"--mode: {spec!r}: retrieval merges into dynamic trees: feature heads, or Medusa heads "
                           f"with --tree dynamic-N (use suffix alone for plain, static trees, drafts or lookup)")
     return MergedProposer(inner, retriever)

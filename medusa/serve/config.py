@@ -6,6 +6,8 @@ never silently falls back to a default.
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -14,6 +16,10 @@ from medusa.io import read_yaml, validate
 from medusa.decoding.hardware import check_dtype_spelling
 
 PolicyMode = Literal["dynamic", "medusa", "draft", "plain"]
+# Retrieval's trees were once named suffix-N; they are named as the mode is now, suffix:N.
+OLD_RETRIEVAL_TREE = re.compile(r"suffix-(\d+)")
+
+log = logging.getLogger("medusa.serve.app")
 
 
 class PolicyConfig(BaseModel):
@@ -29,7 +35,8 @@ class PolicyConfig(BaseModel):
     low_watermark: int = Field(4, ge=0)
     # The heads' tree per running batch size: the largest key <= batch size applies. Medusa heads take
     # static trees (`tree-8`, `chain-K`, a path) or dynamic ones (`dynamic-N[xD[xK]]`), feature heads
-    # dynamic ones only. Unset: the calibrated plans, else tree-8 (Medusa) or dynamic-16x5x8 (feature).
+    # dynamic ones only; without heads, retrieval's `suffix:N`. Unset: the calibrated plans, else tree-8
+    # (Medusa), dynamic-16x5x8 (feature) or suffix:16 (no heads).
     trees: dict[int, str] | None = None
     # Acceptance gate (per batch-size bucket): mean tokens per row-step (tau) over the last `window`
     # speculative steps; below max(min_tau, measured spec/plain step-time ratio) speculation pauses for
@@ -44,6 +51,22 @@ class PolicyConfig(BaseModel):
     # curve and the heads' held-out accuracy (what `medusa generate --mode auto` does), when the heads
     # have an eval.json to predict from.
     calibrate: bool = True
+
+    @field_validator("trees")
+    @classmethod
+    def _old_tree_names(cls, trees: dict[int, str] | None) -> dict[int, str] | None:
+        """The old spelling of retrieval's trees still works, and says what it is called now."""
+        if trees is None:
+            return None
+        out = {}
+        for size, name in trees.items():
+            m = OLD_RETRIEVAL_TREE.fullmatch(name)
+            if m:
+                log.warning("policy.trees: %r is spelled %r now (retrieval's trees are named as its mode); "
+                            "read as such", name, f"suffix:{m.group(1)}")
+                name = f"suffix:{m.group(1)}"
+            out[size] = name
+        return out
 
     @model_validator(mode="after")
     def _check(self) -> "PolicyConfig":

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from medusa.serve.errors import OUTCOMES
+
+if TYPE_CHECKING:
+    from medusa.decoding.proposers import Proposer
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 FAILURE_STAGES = ("prefill", "row", "proposer", "engine")
@@ -115,16 +120,17 @@ class Metrics:
         self.mode_info = Gauge("medusa_speculation_mode", "1 for the mode of the last step", ["mode"],
                                registry=r)
 
-    def observe_step(self, mode: str, modes, seconds: float, accepted: list[int] | None = None, tree=None) -> None:
-        """One decode step in `mode` (one of `modes`); `accepted` and `tree` for a speculative one."""
+    def observe_step(self, mode: str, modes, seconds: float, accepted: list[int] | None = None,
+                     proposer: "Proposer | None" = None) -> None:
+        """One decode step in `mode` (one of `modes`); `accepted` and the `proposer` for a speculative one."""
         self.step_seconds.observe(seconds)
         self.steps.labels(mode).inc()
-        self.spec_steps.labels("on" if tree is not None else "off").inc()
-        self.spec_on.set(1 if tree is not None else 0)
+        self.spec_steps.labels("on" if proposer is not None else "off").inc()
+        self.spec_on.set(1 if proposer is not None else 0)
         for m in modes:
             self.mode_info.labels(m).set(1 if m == mode else 0)
-        if tree is not None:
-            self.observe_drafts(accepted, tree.size - 1, tree.depth)
+        if proposer is not None:
+            self.observe_drafts(accepted, proposer.max_nodes - 1, proposer.max_depth)
 
     def observe_target(self, target_ms: float | None, missed: bool, was_missed: bool) -> bool:
         """The step-time target in force and whether it is kept; a spell of misses is counted once, when

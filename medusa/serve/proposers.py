@@ -13,7 +13,7 @@ from medusa.decoding.tree import DEFAULT_TREE, Tree, load_tree
 from medusa.errors import MedusaError
 from medusa.runtime import Runtime
 from medusa.runtime.gate import bucket
-from medusa.runtime.proposers import build_proposer
+from medusa.runtime.proposers import SUFFIX_NODES, ProposerSpec, build_proposer
 from medusa.serve.config import ServeConfig
 from medusa.serve.policy import CostModel, SpeculationPolicy
 
@@ -37,30 +37,29 @@ def calibrated_policy(cfg: ServeConfig, rt: Runtime, draft: Any) -> tuple[CostMo
     return CostModel.from_plans(plans), {p.tree.name: p.tree for p in plans if p.tree is not None}
 
 
-def drafts_alone(rt: Runtime) -> bool:
-    """Whether the runtime drafts without a draft model (the policy's "medusa" mode): heads of its own
-    (Medusa or feature heads), or, without heads, retrieval alone (`suffix-N` trees)."""
+def drafts_without_draft_model(rt: Runtime) -> bool:
+    """Whether the runtime can speculate with no draft model (the policy's "medusa" mode): heads of its own
+    (Medusa or feature heads), or, without heads, retrieval alone (`suffix:N` trees)."""
     return rt.heads is not None or rt.feature is not None or rt.retrieval
 
 
 def default_trees(rt: Runtime) -> dict[int, str]:
     """The trees when neither the config nor a calibration names them: Medusa heads' default static tree,
-    or a middle-sized dynamic tree for feature heads (they grow dynamic trees only)."""
+    a middle-sized dynamic tree for feature heads (they grow dynamic trees only), or without heads
+    retrieval's default tree, named as its mode (`suffix:16`)."""
     if rt.feature is not None:
         from medusa.runtime.feature import DEFAULT_SHAPE
 
         return {1: DEFAULT_SHAPE.full_name}
     if rt.heads is None:
-        from medusa.runtime.proposers import SUFFIX_NODES
-
-        return {1: f"suffix-{SUFFIX_NODES}"}
+        return {1: str(ProposerSpec("suffix", str(SUFFIX_NODES)))}
     return {1: DEFAULT_TREE}
 
 
 def heads_proposers(rt: Runtime, policy: SpeculationPolicy, planned: dict[str, Tree]) -> dict[str, Any]:
     """A proposer of the runtime's heads per tree the policy names, built up front: a bad tree name or a
     heads/tree mismatch fails at startup, naming the config key."""
-    if not drafts_alone(rt):
+    if not drafts_without_draft_model(rt):
         return {}
     return {name: heads_proposer(rt, name, planned.get(name)) for name in sorted(set(policy.trees.values()))}
 
@@ -69,10 +68,11 @@ def heads_proposer(rt: Runtime, name: str, planned: Tree | None = None) -> Any:
     """The runtime's heads over tree `name`: dynamic trees (`dynamic-N[xD[xK]]`) by name, static trees as
     calibration planned them or by the one tree parser."""
     try:
-        if rt.heads is None and rt.feature is None:  # retrieval alone: suffix-N, N nodes
-            if not name.startswith("suffix-"):
-                raise MedusaError(f"{name!r}: without heads the trees are retrieval's, named suffix-N")
-            return build_proposer(rt, name.replace("suffix-", "suffix:", 1))
+        if rt.heads is None and rt.feature is None:  # retrieval alone: its trees are named as its mode
+            kind, _, nodes = name.partition(":")
+            if kind != "suffix" or not nodes.isdigit():
+                raise MedusaError(f"{name!r}: without heads the trees are retrieval's, named suffix:N")
+            return build_proposer(rt, name)
         if is_dynamic(name) or rt.feature is not None:  # dynamic trees: retrieval grafted in
             return rt.proposer("medusa+suffix" if rt.retrieval else "medusa", name)
         return rt.proposer("medusa", planned or load_tree(name, heads_dir=rt.heads.directory))

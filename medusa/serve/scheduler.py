@@ -286,7 +286,7 @@ class Scheduler:
         decision, proposer = self.policy.chosen
         self.metrics.failures.labels("proposer").inc(self.policy.failures - failures)
         self.budget.observe(seconds, prefill, n)
-        self.width = proposer.tree.size if proposer is not None else 1
+        self.width = proposer.max_nodes if proposer is not None else 1
         if self.fault is not None:
             self._recovered("a decode step succeeded")
         self._record(decision, proposer, out, n, seconds)
@@ -297,7 +297,7 @@ class Scheduler:
         """The step's metrics (the policy heard of the step from the engine)."""
         self.steps += 1
         self.metrics.observe_step(decision.mode, MODES, seconds, out.accepted_list if proposer is not None else None,
-                                  proposer.tree if proposer is not None else None)
+                                  proposer)
         log.debug("step %d: %s%s rows=%d tau=%.2f %.1f ms", self.steps, decision.mode,
                   f" {decision.tree}" if decision.tree else "", rows, out.tau, 1000 * seconds)
 

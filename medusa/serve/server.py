@@ -17,7 +17,7 @@ from medusa.serve.metrics import Metrics
 from medusa.serve.policy import SpeculationPolicy
 from medusa.serve.prefill import PrefillBudget, parse_tpot_slo
 from medusa.serve.prefix import ServedPrefixes, parse_megabytes
-from medusa.serve.proposers import calibrated_policy, default_trees, drafts_alone, heads_proposers
+from medusa.serve.proposers import calibrated_policy, default_trees, drafts_without_draft_model, heads_proposers
 from medusa.serve.protocol import ChatCompletionRequest, CompletionRequest
 from medusa.serve.request import Event, Overloaded, Request
 from medusa.serve.scheduler import Scheduler
@@ -49,8 +49,9 @@ class Server:
         self.api_key = cfg.api_key or os.environ.get("MEDUSA_API_KEY") or None
         self.metrics = Metrics()
         calibrated, planned = calibrated_policy(cfg, rt, draft)
-        self.policy = SpeculationPolicy(cfg.policy, has_medusa=drafts_alone(rt), has_draft=draft is not None,
-                                        calibrated=calibrated, default_trees=default_trees(rt))
+        self.policy = SpeculationPolicy(cfg.policy, has_medusa=drafts_without_draft_model(rt),
+                                        has_draft=draft is not None, calibrated=calibrated,
+                                        default_trees=default_trees(rt))
         self.policy.serve(heads_proposers(rt, self.policy, planned), draft)
         self.scheduler = Scheduler(
             rt.engine, rt.tokenizer, self.policy, self.metrics,
