@@ -160,6 +160,60 @@ def test_auto_keeps_speculating_when_it_pays():
     assert not auto.events and plain == AcceptanceGate.PLAIN_PROBES
 
 
+PLAIN_MS = {1: 8.0, 2: 9.0, 4: 10.0}  # a plain step's cost per bucket, as a calibrated curve gives it
+
+
+def tail_gate(scaled: bool = True) -> AcceptanceGate:
+    """A gate that has timed bucket 4 in full: PLAIN_PROBES plain steps and 12 speculative ones."""
+    scale = (lambda b, ref: PLAIN_MS[b] / PLAIN_MS[ref]) if scaled else None
+    gate = AcceptanceGate(window=8, min_tau=1.0, retry_after_steps=20, plain_scale=scale)
+    for _ in range(40):
+        gate.tick()
+        if gate.needs_plain_probe(4):
+            gate.observe(4, False, 1.0, PLAIN_MS[4] / 1000)
+        else:
+            gate.observe(4, True, 2.0, 1.2 * PLAIN_MS[4] / 1000)
+    assert gate.records[4].plain_steps() == AcceptanceGate.PLAIN_PROBES
+    return gate
+
+
+def tail_steps(gate: AcceptanceGate, rows: int, steps: int, tau: float, cost: float) -> list[str]:
+    """`steps` decided steps at `rows` rows: "p" a plain probe, "P" paused, "S" speculative (taking `cost`
+    plain steps of that bucket's calibrated cost, accepting `tau`)."""
+    seen = []
+    for _ in range(steps):
+        gate.tick()
+        if gate.paused(rows):
+            seen.append("P")
+        elif gate.needs_plain_probe(rows):
+            seen.append("p")
+            gate.observe(rows, False, 1.0, PLAIN_MS[rows] / 1000)
+        else:
+            seen.append("S")
+            gate.observe(rows, True, tau, cost * PLAIN_MS[rows] / 1000)
+    return seen
+
+
+def test_a_batch_tail_borrows_its_plain_reference_instead_of_probing():
+    # Rows finish: 2 rows left. The bucket speculates at once, its plain cost carried over from bucket 4 by
+    # the curve, and times plain steps of its own only after BORROWED_PROBE_EVERY speculative ones.
+    seen = tail_steps(tail_gate(), 2, 20, tau=2.0, cost=1.2)
+    every = AcceptanceGate.BORROWED_PROBE_EVERY
+    assert seen[:every] == ["S"] * every and seen[every] == "p"
+    # Without the curve, the tail's first step is a probe, as before.
+    assert tail_steps(tail_gate(scaled=False), 2, 1, tau=2.0, cost=1.2) == ["p"]
+
+
+def test_a_borrowed_reference_still_pauses_a_losing_tail():
+    # tau 1.3 where a speculative step costs 2 plain steps of the tail's own cost, known only as bucket 4's
+    # measured plain cost scaled by the curve: paused within the gate's evidence, without a probe.
+    gate = tail_gate()
+    assert gate.cost_ratio(2) is None  # nothing speculative timed at 2 rows yet
+    seen = tail_steps(gate, 2, 12, tau=1.3, cost=2.0)
+    assert gate.cost_ratio(2) == pytest.approx(2.0)
+    assert "p" not in seen and seen.index("P") == AcceptanceGate.MIN_EVIDENCE
+
+
 # ---- calibration cache --------------------------------------------------------------------------------
 
 

@@ -154,11 +154,14 @@ class AutoSpeculation(StepPolicy):
 
     def __init__(self, plans: Callable[[int], Plan], make_proposer: Callable[[Tree], Proposer],
                  max_tree_size: int, predicted: bool = True, gate: AcceptanceGate | None = None,
-                 attach: Callable[["Batch"], None] | None = None):
+                 attach: Callable[["Batch"], None] | None = None,
+                 plain_scale: Callable[[int, int], float] | None = None):
         """`plans(rows, realised=...)`: the plan for a number of rows, `realised` (< 1, passed only then) weighing
         the expected gains (`Realised`); `predicted`: the plans come from a prediction (False: a fixed tree,
         judged by the gate alone, and never weighed);
-        `attach`: sets up the per-row state the planned proposers share, before a batch's prefill."""
+        `attach`: sets up the per-row state the planned proposers share, before a batch's prefill;
+        `plain_scale`: the calibrated ratio of plain steps between batch sizes, so a batch's tail borrows
+        its plain reference (`AcceptanceGate`; ignored when `gate` is given)."""
         self._plans = plans
         self._attach = attach
         self.predicted = predicted
@@ -168,7 +171,7 @@ class AutoSpeculation(StepPolicy):
         # Short pauses: a generation's acceptance dips and recovers with its text (a table, a list of names),
         # so a window that failed says little about the next one, and a 64-step pause measured 13% below the
         # same tree run fixed (AVX2 kernels, bs 1); a setting that keeps failing still backs off to 256 steps.
-        self.gate = gate or AcceptanceGate(window=16, min_tau=1.0, retry_after_steps=16)
+        self.gate = gate or AcceptanceGate(window=16, min_tau=1.0, retry_after_steps=16, plain_scale=plain_scale)
         self.steps = {"plain": 0, "speculative": 0}
         self.realised = Realised()
         self._chosen: Plan | None = None  # the plan of the step in flight (None: a plain step)

@@ -94,6 +94,11 @@ class Calibration:
         """Cost of a T-token pass over a one-token pass at batch size b (the number speculation must beat)."""
         return self.ms(b, t) / self.ms(b, 1)
 
+    def plain_scale(self, b: int, ref: int) -> float:
+        """A one-token pass at b rows over one at `ref` rows (how the acceptance gate carries a plain step's
+        measured cost from one batch size to another)."""
+        return self.ms(b, 1) / self.ms(ref, 1)
+
     def heads(self, b: int) -> float:
         from medusa.runtime.timing import heads_ms
 

@@ -199,7 +199,7 @@ def feature_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "Auto
 
     planner = _FeatureAuto(rt, progress, batch_size)
     # The largest planned tree: 64 nodes + the root.
-    return AutoSpeculation(planner.plan, planner.make, 65, attach=planner.attach)
+    return AutoSpeculation(planner.plan, planner.make, 65, attach=planner.attach, plain_scale=planner.cal.plain_scale)
 
 
 def plan_shape(cal, accuracy: list[list[float]], batch: int, draft_ratio, shapes: list[TreeShape] | None = None,

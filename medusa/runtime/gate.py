@@ -12,9 +12,15 @@ the steps after its 4th and 8th speculative ones (PLAIN_PROBES in all): one plai
 is a poor reference (the first step after a prefill is often the slowest of all, and one measured 1.8x the
 plain steps after it), and a reference too dear makes a losing tree look as if it paid.
 
+A bucket a batch reaches only as its rows finish (4 rows, then 2, then 1) would pay those probes again for
+a few steps of tail. Given `plain_scale` (a plain step at one batch size over one at another: the
+calibrated curve's ratio), a bucket without plain steps of its own borrows the nearest bucket's plain
+cost, scaled, and times its own plain steps only after every BORROWED_PROBE_EVERY speculative ones (a
+server bucket that stays in use soon has its own reference; a batch's tail never pays for one).
+
 A step's cost is its own time plus what choosing it took (planning a tree for a new batch size, building a
 proposer): t_spec = median recent speculative step + the bucket's mean choosing time per speculative step,
-and alike for plain steps (see `_Record.cost_ratio`); the choosing time is work the step really adds, so
+and alike for plain steps (see `AcceptanceGate.cost_ratio`); the choosing time is work the step really adds, so
 it is counted in full and spread over the steps it served.
 A planner that is slow, once per batch size or on every step, therefore closes the gate like a slow step.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from typing import Callable
 
 MIN_STD = 0.5  # floor on one row-step's tau spread, so a few equal samples are not taken as certainty
 
@@ -63,17 +70,8 @@ class _Record:
         total, steps = self.overhead[kind]
         return statistics.median(self.seconds[kind]) + total / steps
 
-    @property
-    def cost_ratio(self) -> float | None:
-        """A speculative step's cost over a plain one's (`cost`: median recent step time plus the mean time
-        spent choosing it). Medians, now that every bucket times PLAIN_PROBES plain steps spread over its
-        first speculative ones: the fastest step of each kind, used while the plain reference was a single
-        probe step, favoured speculation wherever its step times vary more than plain ones (dynamic trees,
-        retrieval nodes): on an AVX2 CPU it kept trees measured at 0.85x plain decoding. A single step at
-        a busy moment moves neither median."""
-        if "spec" in self.seconds and "plain" in self.seconds:
-            return self.cost("spec") / max(self.cost("plain"), 1e-9)
-        return None
+    def plain_steps(self) -> int:
+        return len(self.seconds.get("plain", ()))
 
 
 class AcceptanceGate:
@@ -82,8 +80,14 @@ class AcceptanceGate:
     MAX_BACKOFF = 16
     PLAIN_PROBES, PROBE_EVERY = 3, 4  # plain steps timed per bucket: one first, then one every 4 speculative
 
-    def __init__(self, window: int = 16, min_tau: float = 1.0, retry_after_steps: int = 128):
+    BORROWED_PROBE_EVERY = 16  # a bucket borrowing its plain reference times its own after this many
+
+    def __init__(self, window: int = 16, min_tau: float = 1.0, retry_after_steps: int = 128,
+                 plain_scale: Callable[[int, int], float] | None = None):
+        """`plain_scale(b, ref)`: a plain step's cost at batch size b over one at `ref` (None: every bucket
+        times its own plain steps from its first)."""
         self.window, self.min_tau, self.retry_after_steps = window, min_tau, retry_after_steps
+        self.plain_scale = plain_scale
         self.records: dict[int, _Record] = {}
         self.step = 0
 
@@ -100,8 +104,38 @@ class AcceptanceGate:
     def needs_plain_probe(self, n: int) -> bool:
         """Whether this step should be plain to time the cost speculation has to beat (see the docstring)."""
         rec = self.record(n)
-        timed = len(rec.seconds.get("plain", ()))
-        return timed < min(self.PLAIN_PROBES, 1 + rec.spec_steps // self.PROBE_EVERY)
+        if rec.plain_steps() < self.PLAIN_PROBES and self.lender(n) is not None:
+            return rec.plain_steps() < min(self.PLAIN_PROBES, rec.spec_steps // self.BORROWED_PROBE_EVERY)
+        return rec.plain_steps() < min(self.PLAIN_PROBES, 1 + rec.spec_steps // self.PROBE_EVERY)
+
+    def lender(self, n: int) -> int | None:
+        """The bucket whose plain steps stand in for bucket(n)'s (the nearest with its full PLAIN_PROBES),
+        or None: n's own bucket has them, or no `plain_scale` was given, or no bucket has them yet."""
+        b = bucket(n)
+        if self.plain_scale is None or (b in self.records and self.records[b].plain_steps() >= self.PLAIN_PROBES):
+            return None
+        full = [size for size, r in self.records.items() if size != b and r.plain_steps() >= self.PLAIN_PROBES]
+        return min(full, key=lambda size: (abs(size.bit_length() - b.bit_length()), size)) if full else None
+
+    def cost_ratio(self, n: int) -> float | None:
+        """A speculative step's cost over a plain one's at n rows (`_Record.cost`: median recent step time
+        plus the mean time spent choosing it), the plain cost borrowed from the `lender` while bucket(n)
+        has too few plain steps of its own. Medians, now that every bucket times PLAIN_PROBES plain steps
+        spread over its first speculative ones: the fastest step of each kind, used while the plain
+        reference was a single probe step, favoured speculation wherever its step times vary more than
+        plain ones (dynamic trees, retrieval nodes): on an AVX2 CPU it kept trees measured at 0.85x plain
+        decoding. A single step at a busy moment moves neither median."""
+        rec = self.record(n)
+        if "spec" not in rec.seconds:
+            return None
+        lender = self.lender(n)
+        if lender is not None:
+            plain = self.records[lender].cost("plain") * self.plain_scale(bucket(n), lender)
+        elif "plain" in rec.seconds:
+            plain = rec.cost("plain")
+        else:
+            return None
+        return rec.cost("spec") / max(plain, 1e-9)
 
     def paused(self, n: int) -> bool:
         """Paused here or at a smaller bucket: a larger batch makes speculation relatively dearer, with
@@ -121,7 +155,7 @@ class AcceptanceGate:
         if len(rec.taus) < min(self.MIN_EVIDENCE, rec.taus.maxlen):
             return None
         mean, stderr = mean_and_stderr(rec.taus, n)
-        need = max(self.min_tau, rec.cost_ratio or 0.0)
+        need = max(self.min_tau, self.cost_ratio(n) or 0.0)
         if mean + self.Z * stderr >= need:
             if len(rec.taus) == rec.taus.maxlen:
                 rec.failures = 0

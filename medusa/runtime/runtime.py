@@ -111,7 +111,7 @@ class Runtime:
             plans = functools.lru_cache(maxsize=None)(
                 lambda rows, realised=1.0: plan(cal, accuracy, trees, rows, realised))
         return AutoSpeculation(plans, lambda tree: MedusaProposer(self.heads, tree, projection=self.model.lm_head),
-                               max(t.size for t in trees), predicted=accuracy is not None)
+                               max(t.size for t in trees), predicted=accuracy is not None, plain_scale=cal.plain_scale)
 
     def use_datastore(self, directory: str | None) -> None:
         """Draft from the datastore at `directory` too (None: the row's own text only)."""
