@@ -426,9 +426,9 @@ def test_realised_share_of_the_expected_gain():
     from medusa.runtime.auto import Realised
 
     r = Realised()
-    for _ in range(Realised.MIN_STEPS - 1):
+    for _ in range(Realised.MIN_ROWS - 1):
         r.add(2.0, 3.0)
-    assert r.scale() == 1.0  # too few steps to judge
+    assert r.scale() == 1.0  # too few row-steps to judge
     r.add(2.0, 3.0)
     assert r.scale() == pytest.approx(0.5)  # half of the expected gain (tau - 1) delivered
     for _ in range(Realised.WINDOW):
@@ -437,6 +437,21 @@ def test_realised_share_of_the_expected_gain():
     for _ in range(Realised.WINDOW):
         r.add(1.0, 3.0)  # nothing accepted: the floor, not zero (plans stay comparable)
     assert r.scale() == pytest.approx(Realised.LOW)
+
+
+def test_a_batch_judges_the_realised_share_by_its_row_steps():
+    from medusa.runtime.auto import Realised
+
+    r = Realised()
+    r.add(1.5, 3.0, rows=Realised.MIN_ROWS // 2)
+    assert r.scale() == 1.0  # half the evidence
+    r.add(1.5, 3.0, rows=Realised.MIN_ROWS // 2)
+    assert r.scale() == pytest.approx(0.2) and r.overall() == pytest.approx(0.25)  # two steps of 4 rows: enough
+    # Steps weigh by their rows: one of 6 rows that delivered everything, one of 2 rows that delivered nothing.
+    r = Realised()
+    r.add(3.0, 3.0, rows=6)
+    r.add(1.0, 3.0, rows=2)
+    assert r.scale() == pytest.approx(0.8) and r.overall() == pytest.approx(0.75)
 
 
 def test_plans_shrink_when_the_heads_deliver_less_than_expected():

@@ -81,6 +81,10 @@ def proposers(model, engine):
         "medusa-dynamic+suffix": MergedProposer(MedusaDynamicProposer(heads, 8, 3, 3), Retriever(3, 6)),
         "feature+suffix": MergedProposer(FeatureProposer(feature_head(model), engine.model, TreeShape(8, 3, 3)),
                                          Retriever(3, 6)),
+        # Its paths (retrieval's, 6 deep) are longer than its pass (the head's one node + the root): the
+        # cache must hold the longest path past a row's length, not only the pass.
+        "feature-1x1+suffix": MergedProposer(FeatureProposer(feature_head(model), engine.model, TreeShape(1, 1, 1)),
+                                             Retriever(3, 6)),
     }
 
 

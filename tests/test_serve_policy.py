@@ -143,7 +143,7 @@ def test_the_policy_is_a_step_policy_choosing_its_own_proposers():
     from types import SimpleNamespace
 
     p = policy(mode="medusa", trees={1: "tree-8", 4: "tree-16"})
-    heads = SimpleNamespace(max_nodes=9)  # a proposer's size: its largest pass, root included
+    heads = SimpleNamespace(span=9)  # the KV slots a step needs past a row's length (`Proposer.span`)
     p.serve({"tree-8": heads}, None)
     assert p.max_tree_size == 9
     assert p.choose(1) is heads and p.chosen == (p.last, heads)

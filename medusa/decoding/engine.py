@@ -35,7 +35,7 @@ from medusa.decoding.verifier import GreedyVerifier, RowTrees, SamplingVerifier,
 
 class StepPolicy:
     """Chooses each step's proposer (None: plain) and hears back how the step went (auto mode, the server's
-    policy). `max_tree_size`: the largest tree it may choose (caches are sized by it)."""
+    policy). `max_tree_size`: the largest `Proposer.span` it may choose (caches are sized by it)."""
 
     max_tree_size: int
 
@@ -182,7 +182,7 @@ class Engine(Prefilling):
             raise MedusaError(f"--max-new-tokens must be positive, got {max_new_tokens}")
         if not prompts:
             raise MedusaError("no prompts given")
-        extra = policy.max_tree_size if policy is not None else proposer.max_nodes if proposer is not None else 1
+        extra = policy.max_tree_size if policy is not None else proposer.span if proposer is not None else 1
         capacity = cache_capacity(max(len(p) for p in prompts), max_new_tokens, extra)
         batch = self.new_batch(len(prompts), capacity, max_new_tokens)
         if seed is not None:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from medusa.decoding.dynamic_tree import DEFAULT_TOPK, NEG, Growth, Pool, TreeShape, expand, pool_size
 from medusa.decoding.feature_heads import FeatureHead
-from medusa.decoding.feature_runner import FeatureState, HeadRunner, LayerTaps
+from medusa.decoding.feature_runner import DraftBlock, FeatureState, HeadRunner, LayerTaps
 from medusa.decoding.proposers import GrowingProposer
 from medusa.decoding.ragged import aux_state, catch_up, common_prefix, context, rewound
 from medusa.decoding.sampling import MODE_REJECTION, sample_from
@@ -118,7 +118,8 @@ class FeatureProposer(GrowingProposer):
             nxt = ctx.gather(1, (pos + 1).clamp(max=ctx.shape[1] - 1))
             feats = state.feats[ar[:, None], pos.clamp(max=state.feats.shape[1] - 1)]
             emb, x = self.runner.inputs(nxt, feats, fused=True)
-            return self.runner(emb, x, pos, state.cache, rows, 0, causal(len(j), lens.device).expand(n, -1, -1))
+            visible = causal(len(j), lens.device).expand(n, -1, -1)
+            return self.runner(emb, x, state.cache, DraftBlock(pos, rows, 0, visible))
 
         last = torch.zeros(n, self.head.config.hidden_size, dtype=self.runner.dtype, device=lens.device)
         return catch_up(state.cache, rows, lens, last, run)
@@ -160,7 +161,7 @@ class FeatureProposer(GrowingProposer):
             emb, x = self.runner.inputs(front_tok, front_in, fused=False)
             block_vis = torch.cat([vis, eye], dim=2)
             pos = (lens + d - 2)[:, None].expand(n, k)
-            out = self.runner(emb, x, pos, state.cache, rows, used, block_vis, longest)
+            out = self.runner(emb, x, state.cache, DraftBlock(pos, rows, used, block_vis, longest))
             logits = self.runner.logits(out)  # [n, k, Vd]
             logp = torch.log_softmax(logits.float(), -1)
             ct, cs, slot = expand(logp, front_score, k)

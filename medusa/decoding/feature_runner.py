@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 from medusa.decoding.feature_heads import FeatureHead
 from medusa.decoding.proposers import RowState
 from medusa.errors import MedusaError
-from medusa.decoding.attention import pass_mask, short_block_bias
+from medusa.decoding.attention import LayerInputs, pass_mask, short_block_bias
 from medusa.decoding.linear import packed_linear, rows_linear
 from medusa.decoding.transformer import (SHORT_BLOCK, DecoderLayer, KVCache, RMSNorm, RotaryTable, Transformer,
                                          attention_dtype, cache_dtype)
@@ -34,9 +35,31 @@ class _HeadLayer(DecoderLayer):
         super().__init__(head.layer, head_dim)
         self.hnorm = RMSNorm(head.hidden_norm) if head.hidden_norm is not None else None
 
-    def forward(self, emb, x, rope, kv, row_idx, slots, mask, bias):  # noqa: D401 (same contract as DecoderLayer)
+    def forward(self, emb: torch.Tensor, x: torch.Tensor, at: LayerInputs, kv: torch.Tensor) -> torch.Tensor:
+        """DecoderLayer.forward with the head's embeddings `emb` beside x."""
         a_in = x if self.hnorm is None else torch.cat([self.ln1.forward(emb), self.hnorm.forward(x)], -1)
-        return self.block(a_in, x, rope, kv, row_idx, slots, mask, bias)
+        return self.block(a_in, x, at, kv)
+
+
+@dataclass
+class DraftBlock:
+    """Where one pass of a feature head writes its t entries per row, and what they see (`HeadRunner`).
+
+    positions: [B, t] long, each entry's position in its sequence
+    rows:      slice, the cache rows the B rows are
+    used:      int, draft entries already written past each row's committed length (cache.lens); this
+               block goes after them
+    visible:   [B, t, used + t] bool, which of those draft entries and of this block each entry sees (every
+               committed entry is seen)
+    longest:   max(cache.lens[rows]) when the caller knows it (a draft's passes share it; reading it from
+               the device each pass would wait for the device), else None
+    """
+
+    positions: torch.Tensor
+    rows: slice
+    used: int
+    visible: torch.Tensor
+    longest: int | None = None
 
 
 class HeadRunner(nn.Module):
@@ -88,12 +111,9 @@ class HeadRunner(nn.Module):
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head.forward(out if self.norm is None else self.norm.forward(out))
 
-    def forward(self, emb: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: slice,
-                used: int, visible: torch.Tensor, longest: int | None = None) -> torch.Tensor:
-        """One pass of t entries per row written after `used` draft entries past each row's committed length
-        (cache.lens). visible [B, t, used + t]: which draft entries (and which of this block) each sees; every
-        committed entry is seen. `longest`: max(cache.lens[rows]) when the caller knows it (a draft's passes
-        share it; reading it from the device each pass would wait for the device). Returns [B, t, h]."""
+    def forward(self, emb: torch.Tensor, x: torch.Tensor, cache: KVCache, block: DraftBlock) -> torch.Tensor:
+        """One pass over emb, x [B, t, h] (`inputs`) written into `cache` where `block` says -> [B, t, h]."""
+        positions, rows, used, visible, longest = block.positions, block.rows, block.used, block.visible, block.longest
         b, t = positions.shape
         hl = cache.lens[rows]
         span = used + t
@@ -106,10 +126,9 @@ class HeadRunner(nn.Module):
             bias = short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv,
                                     attention_dtype(x.device.type, self.dtype, cache.data.dtype, b * t))
         slots = window - span + used if b == 1 else hl[:, None] + used + torch.arange(t, device=x.device)
-        rope = self.rope(x, positions, cache.capacity)
-        kv = cache.data[0, :, rows, :, :window]
-        row_idx = torch.arange(b, device=x.device)[:, None]
-        return self.layer.forward(emb, x, rope, kv, row_idx, slots, mask, bias)
+        at = LayerInputs(self.rope(x, positions, cache.capacity), cache.data[:, :, rows, :, :window],
+                         torch.arange(b, device=x.device)[:, None], slots, mask, bias)
+        return self.layer.forward(emb, x, at, at.kv[0])
 
 
 class _Tap(nn.Module):
@@ -217,7 +236,7 @@ def draft_pass_ms(runner: HeadRunner, rows: int, tokens: int, prefix: int = 256,
     with torch.inference_mode():
         for i in range(repeats + 1):
             t0 = time.perf_counter()
-            out = runner(emb, x, pos, cache, slice(0, rows), 0, vis)
+            out = runner(emb, x, cache, DraftBlock(pos, slice(0, rows), 0, vis))
             torch.log_softmax(runner.logits(out).float(), -1).topk(min(4, runner.vocab), -1)
             if dev.type == "cuda":
                 torch.cuda.synchronize()

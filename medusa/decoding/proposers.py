@@ -33,7 +33,7 @@ class Proposer:
 
     name:       what reports and metrics call it
     max_nodes:  the most tokens per row one of its verification passes holds, root included (caches are
-                sized by it)
+                sized by `span`, the larger of it and max_depth + 1)
     max_depth:  the deepest candidate it proposes (acceptance histograms are sized by it)
     tree:       what plans and reports name it by: a static proposer's own tree; for one that builds its
                 trees per step, a stand-in of the same size and depth, never verified
@@ -46,6 +46,13 @@ class Proposer:
     max_nodes: int
     max_depth: int
     tree: Tree
+
+    @property
+    def span(self) -> int:
+        """KV slots one step needs past a row's length: its pass (`max_nodes`) or its longest path, root
+        included (`max_depth` + 1: a grafted branch can be deeper than the tree has nodes), whichever is
+        more. Caches are sized by it."""
+        return max(self.max_nodes, self.max_depth + 1)
 
     def attach(self, batch: "Batch") -> None:
         """Per-row state for `batch`, made before its rows are prefilled (default: none)."""

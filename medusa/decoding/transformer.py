@@ -171,7 +171,7 @@ class Transformer(nn.Module):
         self.passes += 1
         x, at = self.prepare(PassInputs(tokens, positions, rows, block_mask), cache)
         for i, layer in enumerate(self.layers):  # (no per-call hook machinery)
-            x = layer.forward(x, at.rope, at.kv[i], at.row_idx, at.slots, at.mask, at.bias)
+            x = layer.forward(x, at, at.kv[i])
         return self.norm.forward(x)
 
     def forward_parts(self, cache: KVCache, parts: list[PassInputs]) -> list[torch.Tensor]:
@@ -185,8 +185,7 @@ class Transformer(nn.Module):
         x = torch.cat([x.reshape(1, n, -1) for (x, _), n in zip(ready, sizes)], dim=1)  # [1, N, h]
         for i, layer in enumerate(self.layers):
             qkv = layer.wqkv.forward(layer.ln1.forward(x))
-            o = [layer.attend(q.view(b, t, layer.nq + 2 * layer.nkv, layer.head_dim), at.rope, at.kv[i], at.row_idx,
-                              at.slots, at.mask, at.bias).reshape(1, b * t, -1)
+            o = [layer.attend(q.view(b, t, -1, layer.head_dim), at, at.kv[i]).reshape(1, b * t, -1)
                  for q, (b, t), (_, at) in zip(qkv.split(sizes, dim=1), shapes, ready)]
             x = layer.mlp(layer.wo.plus(torch.cat(o, dim=1), x))
         x = self.norm.forward(x)
@@ -257,39 +256,37 @@ class DecoderLayer(nn.Module):
         self.w2 = packed_linear(mlp.down_proj)
         self.scale = attn.scaling
 
-    def forward(self, x, rope, kv, row_idx, slots, mask, bias):
-        return self.block(self.ln1.forward(x), x, rope, kv, row_idx, slots, mask, bias)
+    def forward(self, x: torch.Tensor, at: LayerInputs, kv: torch.Tensor) -> torch.Tensor:
+        """The layer over x [B, T, h]: `at`, what every layer of the pass reads; kv [2, B, KV, L, D], this
+        layer's cache window (`at.kv[i]`)."""
+        return self.block(self.ln1.forward(x), x, at, kv)
 
-    def block(self, attn_in: torch.Tensor, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-              kv: torch.Tensor, row_idx: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
-              bias: torch.Tensor | None) -> torch.Tensor:
+    def block(self, attn_in: torch.Tensor, x: torch.Tensor, at: LayerInputs, kv: torch.Tensor) -> torch.Tensor:
         """Attention over `attn_in` [B, T, *] (the normed input) added to the residual x [B, T, h], then the
-        MLP. This block's K/V are written into kv [2, B, KV, L, D] at `slots` [B, T] (rows `row_idx`), or from
-        slot `slots` on when it is an int (one row: a contiguous run, written without index tensors)."""
+        MLP. This block's K/V are written into kv [2, B, KV, L, D] at `at.slots` (see `LayerInputs`)."""
         b, t, _ = x.shape
         qkv = self.wqkv.forward(attn_in).view(b, t, self.nq + 2 * self.nkv, self.head_dim)
-        return self.mlp(self.wo.plus(self.attend(qkv, rope, kv, row_idx, slots, mask, bias), x))
+        return self.mlp(self.wo.plus(self.attend(qkv, at, kv), x))
 
-    def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor,
-               row_idx: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
-               bias: torch.Tensor | None) -> torch.Tensor:
-        """Attention of this block's projections qkv [B, T, nq + 2*nkv, D] over its rows' cache window
-        (this block's K/V written into kv at `slots` first) -> [B, T, nq*D]."""
-        nq, nkv = self.nq, self.nkv
+    def attend(self, qkv: torch.Tensor, at: LayerInputs, kv: torch.Tensor) -> torch.Tensor:
+        """Attention of this block's projections qkv [B, T, nq + 2*nkv, D] over its rows' cache window kv
+        (this block's K/V written into it at `at.slots` first: rows `at.row_idx`, or from slot `at.slots` on
+        when it is an int, one row's contiguous run written without index tensors) -> [B, T, nq*D]."""
+        nq, nkv, slots, mask = self.nq, self.nkv, at.slots, at.mask
         if self.q_norm is not None:
             qkv[:, :, :nq] = self.q_norm.forward(qkv[:, :, :nq])
             qkv[:, :, nq: nq + nkv] = self.k_norm.forward(qkv[:, :, nq: nq + nkv])
-        rope_(qkv[:, :, : nq + nkv], *rope)  # q and k rotated in one go, in place
+        rope_(qkv[:, :, : nq + nkv], *at.rope)  # q and k rotated in one go, in place
         # K and V of this block go after each row's prefix: they lie side by side in qkv, so one write
         # stores both.
         new = qkv[:, :, nq:].unflatten(2, (2, nkv))  # [B, T, 2, KV, D]
         if isinstance(slots, int):
             kv[:, :, :, slots: slots + new.shape[1]] = new.permute(2, 0, 3, 1, 4)
         else:
-            kv[:, row_idx, :, slots] = new.to(kv.dtype)
+            kv[:, at.row_idx, :, slots] = new.to(kv.dtype)
         if isinstance(mask, invariant.InvariantPlan):
             return invariant.attention(qkv[:, :, :nq], kv[0], kv[1], mask, self.scale)
-        return attention(qkv[:, :, :nq], kv[0], kv[1], mask, bias, self.scale)
+        return attention(qkv[:, :, :nq], kv[0], kv[1], mask, at.bias, self.scale)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP with its residual, on x after attention."""

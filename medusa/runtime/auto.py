@@ -63,26 +63,29 @@ class Plan:
 
 class Realised:
     """The share of the expected gain the recent speculative steps delivered: sum(measured tau - 1) over
-    sum(expected tau - 1) for the last WINDOW of them, rounded to STEP (so plans, cached per value, change
-    only on a real shift) and kept within [LOW, 1]. 1 until MIN_STEPS steps were seen: never more, since
-    text that beats the heads' held-out accuracy is served well by the plan the accuracy gives."""
+    sum(expected tau - 1), each step weighed by its rows, for the last WINDOW steps, rounded to STEP (so
+    plans, cached per value, change only on a real shift) and kept within [LOW, 1]. 1 until MIN_ROWS
+    row-steps were seen (8 steps of one row, one step of 8 rows: a step's tau is already the mean over its
+    rows, so a batch learns what its text delivers as soon as it has as many samples): never more than 1,
+    since text that beats the heads' held-out accuracy is served well by the plan the accuracy gives."""
 
-    WINDOW, MIN_STEPS, STEP, LOW = 32, 8, 0.1, 0.2
+    WINDOW, MIN_ROWS, STEP, LOW = 32, 8, 0.1, 0.2
 
     def __init__(self) -> None:
-        self.gains: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)
-        self.total = [0.0, 0.0]  # (measured, expected) gains over every speculative step
+        self.gains: deque[tuple[float, float, int]] = deque(maxlen=self.WINDOW)  # row-weighted (m, e), rows
+        self.total = [0.0, 0.0]  # (measured, expected) row-weighted gains over every speculative step
 
-    def add(self, measured_tau: float, expected_tau: float) -> None:
+    def add(self, measured_tau: float, expected_tau: float, rows: int = 1) -> None:
+        """One speculative step of `rows` rows: its mean tau per row, and the tau its plan expected."""
         if expected_tau > 1:
-            self.gains.append((measured_tau - 1, expected_tau - 1))
-            self.total[0] += measured_tau - 1
-            self.total[1] += expected_tau - 1
+            self.gains.append((rows * (measured_tau - 1), rows * (expected_tau - 1), rows))
+            self.total[0] += rows * (measured_tau - 1)
+            self.total[1] += rows * (expected_tau - 1)
 
     def scale(self) -> float:
-        if len(self.gains) < self.MIN_STEPS:
+        if sum(r for _, _, r in self.gains) < self.MIN_ROWS:
             return 1.0
-        return self.rounded(sum(m for m, _ in self.gains) / sum(e for _, e in self.gains))
+        return self.rounded(sum(m for m, _, _ in self.gains) / sum(e for _, e, _ in self.gains))
 
     @classmethod
     def rounded(cls, share: float) -> float:
@@ -211,7 +214,7 @@ class AutoSpeculation(StepPolicy):
         self.steps["speculative" if speculative else "plain"] += 1
         self.choosing_seconds += overhead
         if speculative and self._chosen is not None:
-            self.realised.add(tau, self._chosen.tau)
+            self.realised.add(tau, self._chosen.tau, rows)
         event = self.gate.observe(rows, speculative, tau, seconds, overhead)
         if event:
             self.events.append(event)

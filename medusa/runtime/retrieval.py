@@ -41,5 +41,5 @@ def retrieval_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "Au
                                           f"{cal.ratio(rows, SIZES[-1] + 1):.2f} plain steps (> {MAX_RATIO})")
 
     by_name = {p.tree.name: p for p in proposers.values()}
-    return AutoSpeculation(plans, lambda tree: by_name[tree.name], max(SIZES) + 1, predicted=False,
-                           plain_scale=cal.plain_scale)
+    span = max(p.span for p in proposers.values())
+    return AutoSpeculation(plans, lambda tree: by_name[tree.name], span, predicted=False, plain_scale=cal.plain_scale)

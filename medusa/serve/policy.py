@@ -147,8 +147,8 @@ class SpeculationPolicy(StepPolicy):
     def serve(self, medusa: dict[str, Proposer], draft: Proposer | None) -> None:
         """The proposers the decisions name: the heads' per tree name, and the draft model's."""
         self.medusa, self.draft = dict(medusa), draft
-        self.max_tree_size = max([p.max_nodes for p in self.medusa.values()]
-                                 + ([draft.max_nodes] if draft is not None else []), default=1)
+        self.max_tree_size = max([p.span for p in self.medusa.values()]
+                                 + ([draft.span] if draft is not None else []), default=1)
 
     def attach(self, batch) -> None:
         """Per-row proposer state a new batch needs before its first prefill (feature heads keep the
