@@ -63,7 +63,7 @@ def continuous(engine, prompts: list[list[int]], new: int, proposer, size: int) 
     from medusa.decoding.transformer import cache_capacity
 
     limits = [max(1, new * (4 - i % 3) // 4) for i in range(len(prompts))]
-    batch = engine.new_batch(size, cache_capacity(max(map(len, prompts)), new, proposer.max_nodes if proposer else 1),
+    batch = engine.new_batch(size, cache_capacity(max(map(len, prompts)), new, proposer.span if proposer else 1),
                              new)
     if proposer is not None:
         proposer.attach(batch)
