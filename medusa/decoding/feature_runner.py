@@ -113,14 +113,14 @@ class HeadRunner(nn.Module):
 
     def forward(self, emb: torch.Tensor, x: torch.Tensor, cache: KVCache, block: DraftBlock) -> torch.Tensor:
         """One pass over emb, x [B, t, h] (`inputs`) written into `cache` where `block` says -> [B, t, h]."""
-        positions, rows, used, visible, longest = block.positions, block.rows, block.used, block.visible, block.longest
+        positions, rows, used = block.positions, block.rows, block.used
         b, t = positions.shape
         hl = cache.lens[rows]
         span = used + t
-        window = (int(hl.max()) if longest is None else longest) + span
+        window = (int(hl.max()) if block.longest is None else block.longest) + span
         if window > cache.capacity:
             raise MedusaError(f"feature head cache of {cache.capacity} entries is too small for {window}")
-        mask = pass_mask(hl, visible, window, window - span if b == 1 else None)
+        mask = pass_mask(hl, block.visible, window, window - span if b == 1 else None)
         bias = None
         if t <= SHORT_BLOCK:
             bias = short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv,

@@ -78,9 +78,10 @@ class Realised:
     def add(self, measured_tau: float, expected_tau: float, rows: int = 1) -> None:
         """One speculative step of `rows` rows: its mean tau per row, and the tau its plan expected."""
         if expected_tau > 1:
-            self.gains.append((rows * (measured_tau - 1), rows * (expected_tau - 1), rows))
-            self.total[0] += rows * (measured_tau - 1)
-            self.total[1] += rows * (expected_tau - 1)
+            measured, expected = rows * (measured_tau - 1), rows * (expected_tau - 1)
+            self.gains.append((measured, expected, rows))
+            self.total[0] += measured
+            self.total[1] += expected
 
     def scale(self) -> float:
         if sum(r for _, _, r in self.gains) < self.MIN_ROWS:
