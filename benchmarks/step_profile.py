@@ -32,7 +32,7 @@ import torch
 PHASES = [
     ("step", "medusa.decoding.engine:Engine", "step"),
     ("target pass", "medusa.decoding.transformer:Transformer", "forward"),
-    ("verify", "medusa.decoding.verifier:GreedyVerifier", "verify"),
+    ("verify", "medusa.decoding.verifier:Verifier", "verify"),
     ("feature bookkeeping", "medusa.decoding.feature_runner:FeatureState", "committed"),
     ("draft", "medusa.decoding.feature_proposer:FeatureProposer", "draft"),
     ("draft: head layer", "medusa.decoding.feature_runner:HeadRunner", "forward"),

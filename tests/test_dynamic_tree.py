@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from medusa.decoding.dynamic_tree import Pool, row_trees, select_nodes
-from medusa.decoding.sampling import MODE_REJECTION
+from medusa.decoding.sampling import ACCEPT_REJECTION
 from medusa.decoding.tree import Tree, chain
-from medusa.decoding.verifier import Candidates, GreedyVerifier, SamplingVerifier
+from medusa.decoding.verifier import Candidates, Verifier
 
 STATIC = Tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 0, 0]], name="t")
 
@@ -27,13 +27,13 @@ def test_row_trees_match_static_buffers(tree):
     tokens = torch.randint(0, 5, (n, tree.size - 1))
     rt = row_trees(tokens, parent, live, tree.depth)
     buf = tree.buffers()
-    assert torch.equal(rt.mask[0], buf.mask) and torch.equal(rt.depth[0], buf.depth)
+    assert torch.equal(rt.mask[0], buf.mask) and torch.equal(rt.node_depth[0], buf.node_depth)
     assert torch.equal(rt.parent[0], buf.parent)
     kids = [sorted(c for c in row.tolist() if c >= 0) for row in rt.children[0]]
     assert kids == [sorted(c for c in row.tolist() if c >= 0) for row in buf.children]
     # every static root-to-leaf path is among the per-node paths
     per_node = {tuple(p[: int(l) + 1]) for p, l in zip(rt.paths[0].tolist(), rt.path_len[0].tolist())}
-    for p, l in zip(buf.paths.tolist(), buf.path_len.tolist()):
+    for p, l in zip(buf.leaf_paths.tolist(), buf.path_len.tolist()):
         assert tuple(p[: l + 1]) in per_node
 
 
@@ -52,8 +52,8 @@ def test_greedy_verification_matches_the_static_verifier():
     for _ in range(20):
         tokens = distinct_siblings(STATIC, n, v, g)
         logits = torch.randn(n, STATIC.size, v, generator=g)
-        want = GreedyVerifier().verify(logits, Candidates.shared(tokens, STATIC.buffers()))
-        got = GreedyVerifier().verify(logits, row_trees(tokens[:, 1:], parent, live, STATIC.depth).candidates(tokens))
+        want = Verifier().verify(logits, Candidates.shared(tokens, STATIC.buffers()))
+        got = Verifier().verify(logits, row_trees(tokens[:, 1:], parent, live, STATIC.depth).candidates(tokens))
         assert torch.equal(got.accepted, want.accepted) and torch.equal(got.next_token, want.next_token)
         acc = want.accepted
         for r in range(n):
@@ -64,7 +64,7 @@ class FixedUniforms:
     """Just enough of RowSampling for the verifiers: every row samples with rejection, fixed uniforms."""
 
     def __init__(self, n, seed):
-        self.mode = torch.full((n,), MODE_REJECTION)
+        self.acceptance = torch.full((n,), ACCEPT_REJECTION)
         self.g = torch.Generator().manual_seed(seed)
 
     def uniform(self, rows, m):
@@ -79,8 +79,8 @@ def test_rejection_verification_matches_the_static_verifier():
         tokens = distinct_siblings(STATIC, n, v, g)
         p = torch.softmax(torch.randn(n, STATIC.size, v, generator=g), -1)
         rows = slice(0, n)
-        want = SamplingVerifier().verify(p, Candidates.shared(tokens, STATIC.buffers()), FixedUniforms(n, seed), rows)
-        got = SamplingVerifier().verify(p, row_trees(tokens[:, 1:], parent, live, STATIC.depth).candidates(tokens),
+        want = Verifier().by_rule(p, Candidates.shared(tokens, STATIC.buffers()), FixedUniforms(n, seed), rows)
+        got = Verifier().by_rule(p, row_trees(tokens[:, 1:], parent, live, STATIC.depth).candidates(tokens),
                                         FixedUniforms(n, seed), rows)
         assert torch.equal(got.accepted, want.accepted) and torch.equal(got.next_token, want.next_token)
 
@@ -107,7 +107,7 @@ def test_selection_keeps_parents_and_dead_nodes_are_never_accepted():
         trees = pool.trees(nodes, depth)
         logits = torch.randn(n, nodes + 1, 9, generator=g)
         tokens = torch.cat([torch.zeros(n, 1, dtype=torch.long), trees.tokens], 1)
-        verdict = GreedyVerifier().verify(logits, trees.candidates(tokens))
+        verdict = Verifier().verify(logits, trees.candidates(tokens))
         dead = trees.path_len == 0
         dead[:, 0] = False
         for r in range(n):

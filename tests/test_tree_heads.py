@@ -8,7 +8,7 @@ from medusa.errors import MedusaError
 from medusa.decoding.heads import HeadsConfig, MedusaHeads
 from medusa.decoding.proposers import MedusaProposer
 from medusa.decoding.tree import Tree, build_tree, chain, load_tree
-from medusa.decoding.verifier import Candidates, GreedyVerifier
+from medusa.decoding.verifier import Candidates, Verifier
 
 
 def test_tree_buffers_hand_worked():
@@ -16,7 +16,7 @@ def test_tree_buffers_hand_worked():
     tree = Tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     b = tree.buffers()
     assert tree.size == 7 and tree.depth == 3 and tree.topk == 2
-    assert b.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert b.node_depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
     expected_mask = [
         [1, 0, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0, 0],
@@ -30,13 +30,13 @@ def test_tree_buffers_hand_worked():
     # flattened top-k index: head (depth-1) * topk + rank
     assert b.cand_index.tolist() == [0, 1, 2, 3, 2, 4]
     # leaves [0,1], [1,0], [0,0,0]: root-to-leaf chains padded by repeating the leaf
-    assert b.paths.tolist() == [[0, 1, 4, 4], [0, 2, 5, 5], [0, 1, 3, 6]]
+    assert b.leaf_paths.tolist() == [[0, 1, 4, 4], [0, 2, 5, 5], [0, 1, 3, 6]]
     assert b.path_len.tolist() == [2, 2, 3]
 
 
 def test_chain_and_root_only():
     b = chain(3).buffers()
-    assert b.paths.tolist() == [[0, 1, 2, 3]]
+    assert b.leaf_paths.tolist() == [[0, 1, 2, 3]]
     assert b.mask.int().tolist() == torch.ones(4, 4).tril().int().tolist()
 
 
@@ -47,7 +47,7 @@ def test_greedy_verifier_picks_longest_path():
     # target argmax after each node: root->2 (so node 2 accepted), node2 -> 6 (node 5 accepted), node5 -> 9
     pred = torch.tensor([[2, 0, 6, 0, 0, 9, 0]])
     logits = torch.nn.functional.one_hot(pred, v).float()
-    verdict = GreedyVerifier().verify(logits, Candidates.shared(tokens, tree.buffers()))
+    verdict = Verifier().verify(logits, Candidates.shared(tokens, tree.buffers()))
     assert verdict.accepted.tolist() == [2]
     assert verdict.path[0, :3].tolist() == [0, 2, 5]
     assert verdict.next_token.tolist() == [9]

@@ -53,26 +53,26 @@ def row_trees(tokens: torch.Tensor, parent: torch.Tensor, live: torch.Tensor, de
     parent = torch.where(live, parent, 0)
     parent[:, 0] = 0
     # Depth and ancestor sets by repeated parent lookups (D is small).
-    depth = torch.zeros(n, t, dtype=torch.long, device=dev)
+    node_depth = torch.zeros(n, t, dtype=torch.long, device=dev)
     anc = torch.eye(t, dtype=torch.bool, device=dev).expand(n, t, t).clone()
     cur = idx.expand(n, t).clone()
     rows = torch.arange(n, device=dev)[:, None]
     for _ in range(depth_bound):
         up = parent.gather(1, cur)
         moved = cur != 0
-        depth += moved.long()
+        node_depth += moved.long()
         anc[rows, idx[None, :].expand(n, t), up] = True
         cur = up
-    depth = torch.where(live, depth, 1)
-    depth[:, 0] = 0
-    # paths[b, i, k] = the ancestor of i at depth k (k <= depth[i]), then i repeated.
-    at_depth = depth[:, :, None] == torch.arange(depth_bound + 1, device=dev)  # [n, T(j), D+1]
-    paths = torch.einsum("bij,bjk->bik", (anc & live[:, None, :]).long(), at_depth.long() * idx[None, :, None])
-    beyond = torch.arange(depth_bound + 1, device=dev)[None, None, :] > depth[:, :, None]
-    paths = torch.where(beyond, idx[None, :, None].expand_as(paths), paths)
-    path_len = torch.where(live, depth, 0)
-    paths = torch.where(live[:, :, None], paths, 0)
-    paths[:, 0] = 0
+    node_depth = torch.where(live, node_depth, 1)
+    node_depth[:, 0] = 0
+    # node_paths[b, i, k] = the ancestor of i at depth k (k <= node_depth[i]), then i repeated.
+    at_depth = node_depth[:, :, None] == torch.arange(depth_bound + 1, device=dev)  # [n, T(j), D+1]
+    node_paths = torch.einsum("bij,bjk->bik", (anc & live[:, None, :]).long(), at_depth.long() * idx[None, :, None])
+    beyond = torch.arange(depth_bound + 1, device=dev)[None, None, :] > node_depth[:, :, None]
+    node_paths = torch.where(beyond, idx[None, :, None].expand_as(node_paths), node_paths)
+    path_len = torch.where(live, node_depth, 0)
+    node_paths = torch.where(live[:, :, None], node_paths, 0)
+    node_paths[:, 0] = 0
     # Children in index order (nodes are ordered by rank within their parent).
     is_child = (parent[:, :, None] == idx[None, None, :]) & live[:, :, None] & (idx[None, :, None] > 0)  # [n,i,p]
     rank = (is_child.long().cumsum(1) * is_child.long()).sum(-1) - 1  # [n, i]
@@ -81,7 +81,7 @@ def row_trees(tokens: torch.Tensor, parent: torch.Tensor, live: torch.Tensor, de
     has = rank >= 0
     b_idx = rows.expand(n, t)[has]
     children[b_idx, parent[has], rank[has]] = idx[None, :].expand(n, t)[has]
-    return RowTrees(tokens, anc, depth, paths, path_len, children, parent, proposal)
+    return RowTrees(tokens, anc, node_depth, node_paths, path_len, children, parent, proposal)
 
 
 def select_nodes(pool_score: torch.Tensor, pool_parent: torch.Tensor, pool_depth: torch.Tensor,

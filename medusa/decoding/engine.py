@@ -30,7 +30,7 @@ from medusa.decoding.proposers import Proposer
 from medusa.decoding.sampling import SamplingParams
 from medusa.decoding.transformer import PassInputs, Transformer, cache_capacity
 from medusa.decoding.tree import ROOT_ONLY
-from medusa.decoding.verifier import GreedyVerifier, RowTrees, SamplingVerifier, Verdict
+from medusa.decoding.verifier import RowTrees, Verdict, Verifier
 
 
 class StepPolicy:
@@ -77,8 +77,7 @@ class Engine(Prefilling):
         self.model = model
         eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
         self.eos = torch.tensor(eos, dtype=torch.long, device=model.device)
-        self.greedy_verifier = GreedyVerifier()
-        self.sampling_verifier = SamplingVerifier()
+        self.verifier = Verifier()
         self.clock = time.perf_counter  # what a policy's step times are read from (seconds)
 
     def new_batch(self, rows: int, capacity: int, max_new_tokens: int) -> Batch:
@@ -116,7 +115,7 @@ class Engine(Prefilling):
         rows = slice(0, batch.n)
         roots = batch.root[rows, None]
         tokens = torch.cat([roots, trees.tokens.to(roots.device)], dim=1) if trees.tokens.shape[1] else roots
-        part = PassInputs(tokens, batch.cache.lens[rows, None] + trees.depth, rows, trees.mask)
+        part = PassInputs(tokens, batch.cache.lens[rows, None] + trees.node_depth, rows, trees.mask)
         if prefill and batch.pending is not None and batch.pending.left:
             chunk = self._chunk(batch, prefill)
             hidden, chunk_hidden = self.model.forward_parts(batch.cache, [part, chunk])
@@ -128,11 +127,9 @@ class Engine(Prefilling):
     def accept(self, batch: Batch, trees: RowTrees, ran: VerifyPass, sampled: bool) -> Verdict:
         """Each row's longest accepted path and the target's token after it: greedy rows keep what matches
         the target's argmax; with `sampled` rows present, every row follows its own acceptance rule
-        (`SamplingVerifier`; greedy rows reduce to the greedy rule)."""
-        cand = trees.candidates(ran.tokens)
-        if sampled:
-            return self.sampling_verifier.verify(batch.sampling.probs(ran.logits, ran.rows), cand, batch.sampling, ran.rows)
-        return self.greedy_verifier.verify(ran.logits, cand)
+        (`Verifier`; greedy rows reduce to the greedy rule)."""
+        return self.verifier.verify(ran.logits, trees.candidates(ran.tokens), batch.sampling if sampled else None,
+                                    ran.rows)
 
     @staticmethod
     def commit(batch: Batch, ran: VerifyPass, verdict: Verdict) -> torch.Tensor:

@@ -17,7 +17,7 @@ from medusa.decoding.feature_heads import FeatureHead
 from medusa.decoding.feature_runner import DraftBlock, FeatureState, HeadRunner, LayerTaps
 from medusa.decoding.proposers import GrowingProposer
 from medusa.decoding.ragged import aux_state, catch_up, common_prefix, context, rewound
-from medusa.decoding.sampling import MODE_REJECTION, sample_from
+from medusa.decoding.sampling import ACCEPT_REJECTION, sample_from
 from medusa.decoding.transformer import Transformer, causal
 from medusa.decoding.tree import build_tree, expected_tau
 from medusa.errors import MedusaError
@@ -80,7 +80,7 @@ class FeatureProposer(GrowingProposer):
         if bool((state.feat_len[rows] < lens).any()):
             self._fill_features(batch, state, ctx, lens)
         last = self._catch_up(state, rows, ctx, lens)
-        sampled = batch.sampling.mode[rows] == MODE_REJECTION if self.sample_chain else None
+        sampled = batch.sampling.acceptance[rows] == ACCEPT_REJECTION if self.sample_chain else None
         if sampled is not None and not bool(sampled.any()):
             sampled = None
         return self._grow(batch, state, rows, lens, last, sampled)

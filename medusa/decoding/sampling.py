@@ -22,7 +22,7 @@ class SamplingParams:
     """temperature 0 means greedy. `acceptance` picks how speculative candidates are accepted when
     sampling: `rejection` keeps the target's distribution exactly, `typical` accepts more (not lossless).
 
-    With a `seed`, rejection acceptance is done by matching (`MODE_MATCH`): the token at each output position
+    With a `seed`, rejection acceptance is done by matching (`ACCEPT_MATCH`): the token at each output position
     is drawn with a uniform that depends on (seed, position) only, and a candidate is accepted when it equals
     that draw. The text then depends on the seed and the logits alone, not on whether or how the step
     speculated."""
@@ -55,16 +55,18 @@ GREEDY = SamplingParams()
 
 # ---- per-row sampling state ---------------------------------------------------------------------------
 
-MODE_GREEDY, MODE_REJECTION, MODE_TYPICAL, MODE_MATCH = 0, 1, 2, 3
+# Each row's acceptance rule (`RowSampling.acceptance`, read by `verifier.Verifier`).
+ACCEPT_GREEDY, ACCEPT_REJECTION, ACCEPT_TYPICAL, ACCEPT_MATCH = 0, 1, 2, 3
 KEYED_BLOCK = 256  # a seeded row's uniforms are drawn this many at a time
 
 
-def mode_of(p: SamplingParams) -> int:
+def acceptance_of(p: SamplingParams) -> int:
+    """The acceptance rule a row with these parameters follows."""
     if p.greedy:
-        return MODE_GREEDY
+        return ACCEPT_GREEDY
     if p.acceptance == "typical":
-        return MODE_TYPICAL
-    return MODE_MATCH if p.seed is not None else MODE_REJECTION
+        return ACCEPT_TYPICAL
+    return ACCEPT_MATCH if p.seed is not None else ACCEPT_REJECTION
 
 
 class KeyedUniforms:
@@ -96,7 +98,7 @@ class RowSampling:
         self.temperature = torch.zeros(rows, device=device)
         self.top_p = torch.ones(rows, device=device)
         self.top_k = torch.zeros(rows, dtype=torch.long, device=device)
-        self.mode = torch.zeros(rows, dtype=torch.long, device=device)
+        self.acceptance = torch.zeros(rows, dtype=torch.long, device=device)
         self.epsilon = torch.zeros(rows, device=device)
         self.delta = torch.zeros(rows, device=device)
         self.keyed: list[KeyedUniforms | None] = [None] * rows
@@ -108,7 +110,7 @@ class RowSampling:
         self.temperature[rows] = torch.tensor([p.temperature for p in params], device=self.device)
         self.top_p[rows] = torch.tensor([p.top_p for p in params], device=self.device)
         self.top_k[rows] = torch.tensor([p.top_k for p in params], device=self.device)
-        self.mode[rows] = torch.tensor([mode_of(p) for p in params], device=self.device)
+        self.acceptance[rows] = torch.tensor([acceptance_of(p) for p in params], device=self.device)
         self.epsilon[rows] = torch.tensor([p.typical_epsilon for p in params], device=self.device)
         self.delta[rows] = torch.tensor([p.typical_delta for p in params], device=self.device)
         for r, p in zip(range(rows.start, rows.stop), params):
@@ -117,7 +119,7 @@ class RowSampling:
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
-        for t in (self.temperature, self.top_p, self.top_k, self.mode, self.epsilon, self.delta):
+        for t in (self.temperature, self.top_p, self.top_k, self.acceptance, self.epsilon, self.delta):
             t[d] = t[s]
         for a, b in zip(src, dst):
             self.keyed[b], self.position[b] = self.keyed[a], self.position[a]
@@ -128,7 +130,7 @@ class RowSampling:
             self.position[r] += c
 
     def any_sampling(self, rows: slice) -> bool:
-        return bool((self.mode[rows] != MODE_GREEDY).any())
+        return bool((self.acceptance[rows] != ACCEPT_GREEDY).any())
 
     def uniform(self, rows: slice, m: int) -> torch.Tensor:
         """[n, m] uniforms in [0, 1) from the batch's shared generator (rows that are not keyed)."""
@@ -166,7 +168,7 @@ class RowSampling:
             drop = before >= top_p[:, None, None]  # keeps the smallest prefix reaching top_p (>= 1 token)
             p = p.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
             p = p / p.sum(-1, keepdim=True)
-        greedy = self.mode[rows] == MODE_GREEDY
+        greedy = self.acceptance[rows] == ACCEPT_GREEDY
         if bool(greedy.any()):
             onehot = torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
             p = torch.where(greedy[:, None, None], onehot, p)

@@ -31,18 +31,18 @@ class TreeBuffers:
     """Per-tree tensors, on one device.
 
     mask:        [T, T] bool, node i may attend to node j (j is i or an ancestor of i)
-    depth:       [T] long, position offset of each node after the committed prefix
+    node_depth:  [T] long, each node's depth: its position offset after the committed prefix
     cand_index:  [T-1] long, index into the heads' flattened top-k ([num_heads * topk]) per non-root node
-    paths:       [P, D+1] long, root-to-leaf node indices, padded by repeating the leaf
+    leaf_paths:  [P, D+1] long, root-to-leaf node indices, padded by repeating the leaf (D: the tree's depth)
     path_len:    [P] long, number of non-root nodes on each path
     children:    [T, C] long, each node's children in rank order, padded with -1
     parent:      [T] long, each node's parent (the root is its own)
     """
 
     mask: torch.Tensor
-    depth: torch.Tensor
+    node_depth: torch.Tensor
     cand_index: torch.Tensor
-    paths: torch.Tensor
+    leaf_paths: torch.Tensor
     path_len: torch.Tensor
     children: torch.Tensor
     parent: torch.Tensor

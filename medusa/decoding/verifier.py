@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa.decoding.sampling import MODE_GREEDY, MODE_MATCH, MODE_REJECTION, MODE_TYPICAL, argmax, sample_from
+from medusa.decoding.sampling import ACCEPT_GREEDY, ACCEPT_MATCH, ACCEPT_REJECTION, ACCEPT_TYPICAL, argmax, sample_from
 from medusa.decoding.tree import TreeBuffers
 
 
@@ -22,7 +22,7 @@ class Candidates:
     """One pass's candidate trees, one per row: n rows, T nodes (root = node 0), P paths, depth bound D.
 
     tokens:    [n, T] long, the root then each candidate, in node order
-    paths:     [n, P, D+1] long, root-to-leaf node indices, padded by repeating the leaf
+    paths:     [n, P, D+1] long, the paths the verifier searches (`RowTrees.paths`)
     path_len:  [n, P] long, non-root nodes on each path (0: a path that can accept nothing)
     children:  [n, T, C] long, each node's children in rank order, padded with -1
     parent:    [n, T] long, each node's parent (the root: 0)
@@ -45,7 +45,8 @@ class Candidates:
         return RowTrees.shared(tokens[:, 1:], tree, proposal).candidates(tokens)
 
     @property
-    def depth(self) -> int:
+    def depth_bound(self) -> int:
+        """D: no path holds more than D candidates."""
         return self.paths.shape[2] - 1
 
     def along_paths(self, values: torch.Tensor, start: int) -> torch.Tensor:
@@ -56,7 +57,7 @@ class Candidates:
     def longest(self, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ok [n, P, D]: node k+1 of each path passes. The longest passing prefix per row: (accepted [n],
         its path [n, D+1]); paths past their length never pass."""
-        ok = ok & (torch.arange(self.depth, device=ok.device) < self.path_len[:, :, None])
+        ok = ok & (torch.arange(self.depth_bound, device=ok.device) < self.path_len[:, :, None])
         accepted, best = ok.long().cumprod(-1).sum(-1).max(-1)
         return accepted, self.paths[torch.arange(ok.shape[0], device=ok.device), best]
 
@@ -68,10 +69,10 @@ class RowTrees:
 
     tokens:     [n, T-1] long, candidate token of each non-root node
     mask:       [n, T, T] bool, node i may attend to node j (j is i or an ancestor of i)
-    depth:      [n, T] long, each node's depth: its position offset after the committed prefix
+    node_depth: [n, T] long, each node's depth: its position offset after the committed prefix
     paths:      [n, P, D+1] long, root-to-node paths the verifier searches, padded by repeating the last
-                node (a static tree's: one per leaf; a grown tree's: one per node, the root's and dead
-                nodes' [0, 0, ..])
+                node: a static tree's `leaf_paths` (one per leaf), a grown tree's `node_paths` (one per
+                node, the root's and dead nodes' [0, 0, ..]; `dynamic_tree.row_trees`)
     path_len:   [n, P] long, non-root nodes on each path (0: a path that can accept nothing)
     children:   [n, T, C] long, each node's live children in rank order, padded with -1
     parent:     [n, T] long, each node's parent (the root and dead nodes: 0)
@@ -81,7 +82,7 @@ class RowTrees:
 
     tokens: torch.Tensor
     mask: torch.Tensor
-    depth: torch.Tensor
+    node_depth: torch.Tensor
     paths: torch.Tensor
     path_len: torch.Tensor
     children: torch.Tensor
@@ -93,12 +94,12 @@ class RowTrees:
         """Every row on one static tree: tokens [n, T-1] fill its nodes; the tree's tensors are expanded
         views of its precomputed buffers (no copies)."""
         n = tokens.shape[0]
-        return cls(tokens, tree.mask.expand(n, -1, -1), tree.depth.expand(n, -1), tree.paths.expand(n, -1, -1),
+        return cls(tokens, tree.mask.expand(n, -1, -1), tree.node_depth.expand(n, -1), tree.leaf_paths.expand(n, -1, -1),
                    tree.path_len.expand(n, -1), tree.children.expand(n, -1, -1), tree.parent.expand(n, -1), proposal)
 
     def candidates(self, tokens: torch.Tensor) -> Candidates:
         """What the verifier reads, for tokens [n, T] (the roots, then `self.tokens`)."""
-        return Candidates(tokens, self.paths, self.path_len, self.children, self.parent, self.depth, self.proposal)
+        return Candidates(tokens, self.paths, self.path_len, self.children, self.parent, self.node_depth, self.proposal)
 
 
 @dataclass
@@ -120,18 +121,12 @@ def _matching(cand: Candidates, pred: torch.Tensor) -> Verdict:
     return Verdict(accepted, path, pred.gather(1, _last(path, accepted)[:, None])[:, 0])
 
 
-class GreedyVerifier:
-    """Lossless for greedy decoding: output equals plain argmax decoding token for token."""
+class Verifier:
+    """Each row's longest accepted path under its acceptance rule, and the target's token after it.
 
-    name = "greedy"
-
-    def verify(self, logits: torch.Tensor, cand: Candidates) -> Verdict:
-        return _matching(cand, argmax(logits))
-
-
-class SamplingVerifier:
-    """Acceptance for sampled decoding, row by row as each row's parameters say.
-
+    - greedy (lossless for greedy decoding): the longest path whose every candidate is the target's argmax
+      after its parent; output equals plain argmax decoding token for token. A batch with only greedy rows
+      takes this rule straight from the logits (no distributions are formed).
     - rejection (lossless): walk down the tree; at each node try its children in rank order, accepting
       child c with probability min(1, r(c) / q_c(c)) where r is the target distribution with the mass of
       already-rejected children removed (r <- norm(max(0, r - q_c)) after each rejection) and q_c the
@@ -146,24 +141,35 @@ class SamplingVerifier:
       what plain decoding with the same seed writes, whatever the tree.
     - typical (Medusa's, not lossless): a candidate is accepted when the target gives it probability above
       min(epsilon, delta * exp(-H(p))); the longest such path wins; the next token is sampled from p.
-    - greedy rows: p is one-hot on the argmax, so every rule reduces to greedy acceptance for them.
+
+    In a batch with sampled rows every row follows its own rule (`RowSampling.acceptance`); greedy rows
+    there see a one-hot p on the argmax, under which every rule reduces to the greedy one.
     """
 
-    name = "sampling"
+    def verify(self, logits: torch.Tensor, cand: Candidates, sampling=None, rows: slice | None = None) -> Verdict:
+        """logits [n, T, V]: the target's logits at every node. Without `sampling` (the batch's
+        `RowSampling`, read at `rows`) or with only greedy rows there, the greedy rule."""
+        if sampling is None or not sampling.any_sampling(rows):
+            return self.greedy(logits, cand)
+        return self.by_rule(sampling.probs(logits, rows), cand, sampling, rows)
 
-    def verify(self, p: torch.Tensor, cand: Candidates, sampling, rows: slice) -> Verdict:
-        """p [n, T, V]: the target's sampling distribution at every node; `sampling` the batch's
-        `RowSampling` (modes, thresholds, uniforms) read at `rows`. Each rule present runs over the whole
-        batch; a row keeps its own rule's verdict (greedy rows any one's)."""
-        mode = sampling.mode[rows]
-        present = set(mode.tolist()) - {MODE_GREEDY} or {MODE_REJECTION}
+    @staticmethod
+    def greedy(logits: torch.Tensor, cand: Candidates) -> Verdict:
+        return _matching(cand, argmax(logits))
+
+    def by_rule(self, p: torch.Tensor, cand: Candidates, sampling, rows: slice) -> Verdict:
+        """p [n, T, V]: the target's sampling distribution at every node. Each rule present runs over the
+        whole batch; a row keeps its own rule's verdict (greedy rows any one's)."""
+        rule_of = sampling.acceptance[rows]
+        present = set(rule_of.tolist()) - {ACCEPT_GREEDY} or {ACCEPT_REJECTION}
         verdict = None
-        for m, rule in ((MODE_REJECTION, self._rejection), (MODE_MATCH, self._match), (MODE_TYPICAL, self._typical)):
-            if m not in present:
+        for r, rule in ((ACCEPT_REJECTION, self._rejection), (ACCEPT_MATCH, self._match),
+                        (ACCEPT_TYPICAL, self._typical)):
+            if r not in present:
                 continue
             v = rule(p, cand, sampling, rows)
             if verdict is not None:
-                mine = mode == m
+                mine = rule_of == r
                 v = Verdict(torch.where(mine, v.accepted, verdict.accepted),
                             torch.where(mine[:, None], v.path, verdict.path),
                             torch.where(mine, v.next_token, verdict.next_token))
@@ -181,7 +187,7 @@ class SamplingVerifier:
         n = p.shape[0]
         dev = p.device
         rows = torch.arange(n, device=dev)
-        depth_max, width = cand.depth, cand.children.shape[2]
+        depth_max, width = cand.depth_bound, cand.children.shape[2]
         tokens, proposal = cand.tokens, cand.proposal
         u = sampling.uniform(rows_slice, depth_max * width + 1)
         cur = torch.zeros(n, dtype=torch.long, device=dev)

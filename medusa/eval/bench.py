@@ -69,7 +69,7 @@ def tree_pass_curve(rt, sizes=(1, 8, 16, 32, 64), prefix: int = 256, reps: int =
             for n, tree in trees.items():
                 buf = tree.buffers(dev)
                 tokens = torch.randint(0, 1000, (1, tree.size), device=dev)
-                pos = batch.cache.lens[:1, None] + buf.depth
+                pos = batch.cache.lens[:1, None] + buf.node_depth
                 times[n].append(time_it(lambda: model.lm_head(model(tokens, pos, batch.cache, slice(0, 1),
                                                                      buf.mask)), dev))
     return {n: statistics.median(v) * 1000 for n, v in times.items()}
