@@ -1,11 +1,11 @@
-"""Auto mode against the tree it plans, run fixed, in one process: does the policy (suffix drafts, the
+"""Auto mode against the tree it plans, run fixed, in one process: does the policy (retrieval drafts, the
 acceptance gate, its plain probe steps) cost anything per step, or only change what is accepted?
 
     python benchmarks/auto_vs_fixed.py --num-prompts 8 --repeats 2 --json benchmarks/results/auto_vs_fixed.json
 
 Batch size 1, greedy, default flags. Four methods decode every prompt, the order rotating from prompt to
 prompt: plain decoding, `--mode auto` as a user gets it (a fresh plan and gate per call), auto's planned tree
-fixed, and that tree with the suffix drafts auto grafts in (no gate). Reported per method: total tokens over
+fixed, and that tree with the retrieval drafts auto grafts in (no gate). Reported per method: total tokens over
 total seconds, the median of per-call rates (what `medusa bench` prints), steps and ms per step. With bf16 the
 methods' outputs can part at near-ties, so they may decode different texts of different lengths; the totals
 weigh each call by its tokens, the medians weigh each call alike.
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         "plain": lambda p: rt.engine.generate([p], n),
         "auto": lambda p: rt.engine.generate([p], n, policy=rt.auto(1, progress=False)),
         f"fixed {tree}": lambda p: rt.engine.generate([p], n, fixed),
-        f"fixed {tree} + suffix": lambda p: rt.engine.generate([p], n, merged),
+        f"fixed {tree} + retrieval": lambda p: rt.engine.generate([p], n, merged),
     }
     names = list(methods)
     for fn in methods.values():  # warm-up: first calls allocate and pick kernels

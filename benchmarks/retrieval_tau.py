@@ -1,6 +1,6 @@
 """Tokens per step (tau) of proposer specs with and without a datastore, per prompt set, batch size 1, greedy.
 
-    python benchmarks/retrieval_tau.py --specs feature,feature+suffix --tree dynamic-16x5 \
+    python benchmarks/retrieval_tau.py --specs feature,feature+retrieval --tree dynamic-16x5 \
         --datastore runs/ds-8k --prompts mtbench,benchmarks/prompts/sharegpt_later_turns.jsonl \
         --num-prompts 8 --json benchmarks/results/retrieval_tau.json
 
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     from medusa.runtime.proposers import build_proposer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--specs", default="feature,feature+suffix")
+    ap.add_argument("--specs", default="feature,feature+retrieval")
     ap.add_argument("--tree", default="dynamic-16x5")
     ap.add_argument("--datastore", default=None)
     ap.add_argument("--prompts", default="mtbench")
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         for store, rt in runtimes.items():
             prompts = rt.encode(load_prompts(source, args.num_prompts))
             for spec in args.specs.split(","):
-                if store is not None and "suffix" not in spec:
+                if store is not None and "retrieval" not in spec:
                     continue  # a datastore changes only what retrieval drafts
                 proposer = build_proposer(rt, spec, args.tree)
                 taus = [rt.engine.generate([p], args.max_new_tokens, proposer).stats.mean_accepted for p in prompts]

@@ -42,7 +42,7 @@ def make(name: str, model, engine):
         return None
     if name == "medusa":
         return MedusaProposer(random_heads(model, num_heads=4), load_tree("tree-8"))
-    if name == "feature+suffix":
+    if name == "feature+retrieval":
         head = FeatureHead(FeatureHeadConfig(c.hidden_size, c.vocab_size, c.vocab_size), model)
         return MergedProposer(FeatureProposer(head, engine.model, TreeShape(8, 3, 3)), Retriever(3, 6))
     if name == "draft":
@@ -50,7 +50,7 @@ def make(name: str, model, engine):
     return LookupProposer(k=4)
 
 
-@pytest.mark.parametrize("name", ["plain", "medusa", "feature+suffix", "draft", "lookup"])
+@pytest.mark.parametrize("name", ["plain", "medusa", "feature+retrieval", "draft", "lookup"])
 @pytest.mark.parametrize("chunk, fused", [(1, True), (7, True), (32, True), (7, False)])
 def test_chunked_rows_decode_as_they_would_alone(small, name, chunk, fused):
     """Rows join (short prompts whole, long ones `chunk` tokens per step: in the running rows' pass when

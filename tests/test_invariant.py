@@ -208,7 +208,7 @@ def every_proposer(engine: Engine, model, seed: int = 5) -> dict:
     from medusa.decoding.feature_proposer import FeatureProposer
     from medusa.decoding.lookup import LookupProposer
     from medusa.decoding.proposers import MedusaProposer
-    from medusa.decoding.retrieval import MergedProposer, Retriever, SuffixProposer
+    from medusa.decoding.retrieval import MergedProposer, Retriever, RetrievalProposer
 
     heads = random_heads(model, num_heads=3, seed=seed)
     torch.manual_seed(seed)
@@ -217,9 +217,9 @@ def every_proposer(engine: Engine, model, seed: int = 5) -> dict:
     draft = DraftModel.of(Transformer(tiny_model(seed=9, vocab=c.vocab_size).to(model.dtype)))
     return {"plain": None, "medusa tree": MedusaProposer(heads, "tree-8"),
             "dynamic tree": MedusaDynamicProposer(heads, 8, 3, 3), "lookup": LookupProposer(k=4),
-            "draft": DraftProposer(draft, 3), "suffix": SuffixProposer(8, Retriever(3, 4)),
-            "feature+suffix": MergedProposer(FeatureProposer(head, engine.model, TreeShape(8, 3, 3)), Retriever(3, 4)),
-            "medusa dynamic+suffix": MergedProposer(MedusaDynamicProposer(heads, 8, 3, 3), Retriever(3, 4))}
+            "draft": DraftProposer(draft, 3), "retrieval": RetrievalProposer(8, Retriever(3, 4)),
+            "feature+retrieval": MergedProposer(FeatureProposer(head, engine.model, TreeShape(8, 3, 3)), Retriever(3, 4)),
+            "medusa dynamic+retrieval": MergedProposer(MedusaDynamicProposer(heads, 8, 3, 3), Retriever(3, 4))}
 
 
 @pytest.mark.parametrize("kernels", [MACHINE, pytest.param("in-order", marks=needs_projections(torch.float32))],

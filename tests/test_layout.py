@@ -202,3 +202,36 @@ def test_a_step_reads_as_its_four_phases():
     assert not any(isinstance(n, ast.Call) and ast.unparse(n.func) == "isinstance" for n in ast.walk(step))
     methods = {n.name for n in engine.body if isinstance(n, ast.FunctionDef)}
     assert {"draft", "verify_pass", "accept", "commit"} <= methods
+
+
+def test_one_tree_vocabulary():
+    """Every tree structure names its fields alike: `node_depth` (a tensor, each node's depth), `leaf_paths`
+    for a static tree's root-to-leaf paths, `paths` where either kind is searched, `depth_bound` (an int)
+    for how many candidates a path can hold."""
+    from dataclasses import fields
+
+    from medusa.decoding.tree import TreeBuffers
+    from medusa.decoding.verifier import Candidates, RowTrees
+
+    for cls in (TreeBuffers, RowTrees, Candidates):
+        names = {f.name for f in fields(cls)}
+        assert "node_depth" in names and "depth" not in names, cls.__name__
+    assert {"leaf_paths"} <= {f.name for f in fields(TreeBuffers)}
+    assert isinstance(Candidates.depth_bound, property)
+
+
+def test_one_verifier_and_retrieval_named_retrieval():
+    """One `Verifier` class (greedy is one of its rules), and retrieval's earlier mode name `suffix` only
+    where it is read and rewritten (`current_spelling`; the server's old tree names are matched by pattern)."""
+    verifiers, stray = [], []
+    for path in package_files():
+        tree = ast.parse(path.read_text())
+        verifiers += [n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name.endswith("Verifier")]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(
+                    r"(\w+[:+])?suffix(:\w+|\+\w+)?|\+suffix", node.value):
+                stray.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert verifiers == ["Verifier"]
+    # OLD_KIND / OLD_MERGED, and OpenAI's own `suffix` request field.
+    allowed = ("medusa/runtime/proposers.py", "medusa/serve/protocol.py")
+    assert stray and all(s.startswith(allowed) for s in stray), stray

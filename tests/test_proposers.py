@@ -85,8 +85,9 @@ def test_built_proposers_decode_like_plain(rt, feature_dir):
 
 
 @pytest.mark.parametrize("text, kind, arg, retrieval", [
-    ("plain", "plain", None, False), ("medusa+suffix", "medusa", None, True), ("feature:/a/b+suffix", "feature", "/a/b", True),
-    ("draft:layers:2", "draft", "layers:2", False), ("lookup:5", "lookup", "5", False), ("suffix", "suffix", None, False),
+    ("plain", "plain", None, False), ("medusa+retrieval", "medusa", None, True),
+    ("feature:/a/b+retrieval", "feature", "/a/b", True), ("draft:layers:2", "draft", "layers:2", False),
+    ("lookup:5", "lookup", "5", False), ("retrieval", "retrieval", None, False), ("retrieval:8", "retrieval", "8", False),
 ])
 def test_specs_parse_once_and_print_back(text, kind, arg, retrieval):
     spec = ProposerSpec.parse(text)
@@ -94,9 +95,23 @@ def test_specs_parse_once_and_print_back(text, kind, arg, retrieval):
     assert str(spec) == text and ProposerSpec.parse(spec) is spec and spec.mode in MODES
 
 
+@pytest.mark.parametrize("old, new", [("suffix", "retrieval"), ("suffix:8", "retrieval:8"),
+                                      ("medusa+suffix", "medusa+retrieval"), ("feature:/a/b+suffix", "feature:/a/b+retrieval")])
+def test_retrievals_earlier_spelling_is_read_with_one_warning(old, new, caplog):
+    from medusa.runtime.proposers import _renamed
+
+    _renamed.cache_clear()
+    with caplog.at_level("WARNING", logger="medusa"):
+        spec = ProposerSpec.parse(old, key="--mode")
+        assert str(ProposerSpec.parse(old, key="--mode")) == new
+    assert str(spec) == new
+    assert [r.getMessage() for r in caplog.records].count(
+        f"--mode: {old!r} is spelled {new!r} now (retrieval is named retrieval everywhere); read as such") == 1
+
+
 @pytest.mark.parametrize("text, match", [
-    ("suffix+suffix", "retrieval merges into dynamic trees"), ("draft+suffix", "retrieval merges"),
-    ("lookup:", "nothing after ':'"), ("suffix:x", "suffix:N with an integer N"), ("auto", "unknown proposer 'auto'"),
+    ("retrieval+retrieval", "retrieval merges into dynamic trees"), ("draft+retrieval", "retrieval merges"),
+    ("lookup:", "nothing after ':'"), ("retrieval:x", "retrieval:N with an integer N"), ("auto", "unknown proposer 'auto'"),
 ])
 def test_bad_spec_text_names_the_flag(text, match):
     with pytest.raises(MedusaError, match=match) as err:

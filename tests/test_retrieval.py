@@ -11,7 +11,7 @@ from medusa.decoding.engine import Engine
 from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
 from medusa.decoding.dynamic_tree import TreeShape
 from medusa.decoding.feature_proposer import FeatureProposer
-from medusa.decoding.retrieval import (ACCEPT, MATCH_BUCKETS, Chains, MergedProposer, Retriever, SuffixProposer,
+from medusa.decoding.retrieval import (ACCEPT, MATCH_BUCKETS, Chains, MergedProposer, Retriever, RetrievalProposer,
                                        graft, match_bucket, token_scores)
 from medusa.decoding.sampling import SamplingParams
 from medusa.decoding.transformer import Transformer
@@ -77,13 +77,13 @@ def feature_head(model, seed=0):
 def proposers(model, engine):
     heads = random_heads(model, num_heads=4)
     return {
-        "suffix": SuffixProposer(8, Retriever(3, 6)),
-        "medusa-dynamic+suffix": MergedProposer(MedusaDynamicProposer(heads, 8, 3, 3), Retriever(3, 6)),
-        "feature+suffix": MergedProposer(FeatureProposer(feature_head(model), engine.model, TreeShape(8, 3, 3)),
+        "retrieval": RetrievalProposer(8, Retriever(3, 6)),
+        "medusa-dynamic+retrieval": MergedProposer(MedusaDynamicProposer(heads, 8, 3, 3), Retriever(3, 6)),
+        "feature+retrieval": MergedProposer(FeatureProposer(feature_head(model), engine.model, TreeShape(8, 3, 3)),
                                          Retriever(3, 6)),
         # Its paths (retrieval's, 6 deep) are longer than its pass (the head's one node + the root): the
         # cache must hold the longest path past a row's length, not only the pass.
-        "feature-1x1+suffix": MergedProposer(FeatureProposer(feature_head(model), engine.model, TreeShape(1, 1, 1)),
+        "feature-1x1+retrieval": MergedProposer(FeatureProposer(feature_head(model), engine.model, TreeShape(1, 1, 1)),
                                              Retriever(3, 6)),
     }
 
@@ -114,7 +114,7 @@ def test_rows_joining_and_leaving_keep_their_own_text(small):
     prompts = mixed_prompts(6, vocab=V, seed=7)
     limits = [9, 30, 14, 30, 21, 30]
     solo = [engine.generate([p], m).outputs[0].tokens for p, m in zip(prompts, limits)]
-    proposer = proposers(model, engine)["feature+suffix"]
+    proposer = proposers(model, engine)["feature+retrieval"]
     batch = engine.new_batch(3, 128, 32)
     proposer.attach(batch)
     waiting = list(range(6))
@@ -155,7 +155,7 @@ def test_rejection_sampling_stays_exact_with_merged_trees():
     p1 = dist(prompt)
     expected = torch.stack([p1[a] * dist(prompt + [a]) for a in range(SV)]).flatten()
     head = FeatureHead(FeatureHeadConfig(model.config.hidden_size, SV, SV), model)
-    for proposer in (SuffixProposer(6, Retriever(3, 4)),
+    for proposer in (RetrievalProposer(6, Retriever(3, 4)),
                      MergedProposer(FeatureProposer(head, engine.model, TreeShape(4, 2, 2), sample_chain=False),
                                     Retriever(3, 4))):
         n = 4000
@@ -189,7 +189,7 @@ def test_bad_settings_are_clear_errors(small):
     with pytest.raises(MedusaError, match="branches, depth and min_match"):
         Retriever(0, 4)
     with pytest.raises(MedusaError, match="do not fit"):
-        SuffixProposer(40, Retriever(2, 8))
+        RetrievalProposer(40, Retriever(2, 8))
 
 
 def test_a_datastore_of_earlier_outputs_is_drafted_from(small, tmp_path):
@@ -202,8 +202,8 @@ def test_a_datastore_of_earlier_outputs_is_drafted_from(small, tmp_path):
     plain = engine.generate(prompts, 24)
     Datastore.build([p + o.tokens for p, o in zip(prompts, plain.outputs)]).save(tmp_path / "store")
     store = load(tmp_path / "store", V)
-    alone = engine.generate(prompts, 24, SuffixProposer(8, Retriever(3, 6)))
-    both = engine.generate(prompts, 24, SuffixProposer(8, Retriever(3, 6, store=store)))
+    alone = engine.generate(prompts, 24, RetrievalProposer(8, Retriever(3, 6)))
+    both = engine.generate(prompts, 24, RetrievalProposer(8, Retriever(3, 6, store=store)))
     assert [o.tokens for o in both.outputs] == [o.tokens for o in plain.outputs]
     assert both.stats.forward_passes < alone.stats.forward_passes
     with pytest.raises(MedusaError, match="outside the model's vocabulary of 5: it was built for another"):
@@ -238,7 +238,7 @@ def test_auto_mode_without_heads_drafts_from_the_text(small):
     rt = Runtime(model, None, engine.model, engine, None)
     auto = rt.auto(4, progress=False)
     assert isinstance(auto, AutoSpeculation) and not auto.predicted
-    assert auto.plan(1).tree is None or auto.plan(1).tree.name.startswith("suffix:")
+    assert auto.plan(1).tree is None or auto.plan(1).tree.name.startswith("retrieval:")
     prompts = mixed_prompts(4, vocab=V, seed=60)
     assert ([o.tokens for o in engine.generate(prompts, 24, policy=auto).outputs]
             == [o.tokens for o in engine.generate(prompts, 24).outputs])

@@ -17,7 +17,7 @@ from medusa.decoding.engine import Engine
 from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
 from medusa.decoding.feature_proposer import FeatureProposer
 from medusa.decoding.proposers import MedusaProposer, StaticProposer
-from medusa.decoding.retrieval import MergedProposer, Retriever, SuffixProposer
+from medusa.decoding.retrieval import MergedProposer, Retriever, RetrievalProposer
 from medusa.decoding.sampling import SamplingParams
 from medusa.decoding.transformer import Transformer
 from medusa.decoding.tree import Tree, chain
@@ -92,10 +92,10 @@ PROPOSERS = {
     "medusa tree": lambda m, e: MedusaProposer(random_heads(m, num_heads=4, seed=1), DEEP),
     "feature tree": lambda m, e: FeatureProposer(feature_head(m), e.model, SHAPE, sample_chain=False),
     "feature chain": lambda m, e: FeatureProposer(feature_head(m), e.model, SHAPE, sample_chain=True),
-    "suffix": lambda m, e: SuffixProposer(10, Retriever(3, 4)),
-    "feature tree+suffix": lambda m, e: MergedProposer(
+    "retrieval": lambda m, e: RetrievalProposer(10, Retriever(3, 4)),
+    "feature tree+retrieval": lambda m, e: MergedProposer(
         FeatureProposer(feature_head(m), e.model, SHAPE, sample_chain=False), Retriever(3, 4)),
-    "medusa dynamic+suffix": lambda m, e: MergedProposer(
+    "medusa dynamic+retrieval": lambda m, e: MergedProposer(
         MedusaDynamicProposer(random_heads(m, num_heads=4, seed=1), 10, 4, 2), Retriever(3, 4)),
 }
 

@@ -93,13 +93,14 @@ def test_medusa_heads_over_a_dynamic_tree_match_decoding_alone(rt, tokenizer):
 
 
 def test_retrieval_alone_without_heads(tokenizer):
-    """A model without heads still speculates: retrieval trees (`suffix:N`, named as the mode, the default
-    without heads; the old spelling `suffix-N` is read as such), every greedy stream equal to its prompt
+    """A model without heads still speculates: retrieval trees (`retrieval:N`, named as the mode, the default
+    without heads; the old spellings `suffix-N` and `suffix:N` are read as such), every greedy stream equal to its prompt
     decoded alone; a heads' tree name is refused, naming the key."""
     bare = tiny_runtime(tokenizer, seed=4, heads=False)
     server = create_app(ServeConfig(dtype="fp32", policy={"mode": "medusa"}), bare).state.server
-    assert list(server.policy.medusa) == ["suffix:16"]
-    assert PolicyConfig(trees={1: "suffix-8"}).trees == {1: "suffix:8"}
+    assert list(server.policy.medusa) == ["retrieval:16"]
+    assert PolicyConfig(trees={1: "suffix-8"}).trees == {1: "retrieval:8"}
+    assert PolicyConfig(trees={1: "suffix:8"}).trees == {1: "retrieval:8"}
     with serve(bare, policy={"mode": "medusa", "trees": {1: "suffix-8"}}, max_queue=64) as url:
         check_concurrent_streams(url, bare, tokenizer, 8)
         steps = _metric(httpx.get(url + "/metrics", timeout=10).text, 'medusa_steps_total{mode="medusa"}')

@@ -235,16 +235,16 @@ def graft(pool: Pool, chains: Chains) -> None:
         pool.add(t, sc.to(score.dtype), pa, de)
 
 
-class SuffixProposer(Proposer):
+class RetrievalProposer(Proposer):
     """Retrieval alone: a tree of `nodes` candidates per row from its best continuations. Needs no heads.
-    Its tree is named as its mode is, `suffix:N`."""
+    Its tree is named as its mode is, `retrieval:N`."""
 
-    name = "suffix"
+    name = "retrieval"
 
     def __init__(self, nodes: int = 16, retriever: Retriever | None = None):
         self.retriever = retriever or Retriever()
         if nodes < 1 or nodes > self.retriever.branches * self.retriever.depth:
-            raise MedusaError(f"suffix: {nodes} nodes do not fit {self.retriever.branches} branches of "
+            raise MedusaError(f"retrieval: {nodes} nodes do not fit {self.retriever.branches} branches of "
                               f"{self.retriever.depth} tokens")
         self.nodes = nodes
         self.max_nodes, self.max_depth = nodes + 1, self.retriever.depth
@@ -265,9 +265,9 @@ class MergedProposer(Proposer):
         self.inner = inner
         self.retriever = retriever or Retriever()
         self.nodes = inner.max_nodes - 1
-        self.name = f"{inner.name}+suffix"
+        self.name = f"{inner.name}+retrieval"
         self.max_nodes, self.max_depth = inner.max_nodes, max(inner.max_depth, self.retriever.depth)
-        self.tree = stand_in_tree(self.nodes, self.max_depth, f"{inner.tree.name}+suffix")
+        self.tree = stand_in_tree(self.nodes, self.max_depth, f"{inner.tree.name}+retrieval")
 
     def attach(self, batch: "Batch") -> None:
         self.inner.attach(batch)  # retrieval's automata are fed at the first draft

@@ -94,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
     from medusa.runtime.feature import bench_methods
 
     fixed.update(bench_methods(rt, args.feature))
-    suffix = rt.proposer("suffix")  # retrieval alone: what auto mode grafts onto the heads' trees
-    fixed[suffix.tree.name] = suffix  # suffix:N, named as its mode
+    alone = rt.proposer("retrieval")  # retrieval alone: what auto mode grafts onto the heads' trees
+    fixed[alone.tree.name] = alone  # retrieval:N, named as its mode
     prompts = rt.encode([t for source in args.prompts.split(",") for t in load_prompts(source, args.num_prompts)])
     rt.auto(1)  # calibrate (once per machine) before anything is timed
     n_new = args.max_new_tokens

@@ -13,7 +13,7 @@ from medusa.decoding.sampling import SamplingParams
 from medusa.decoding.tree import DEFAULT_TREE
 from medusa.errors import MedusaError
 from medusa.io import read_yaml, validate
-from medusa.runtime.proposers import MODES
+from medusa.runtime.proposers import MODES, current_spelling
 
 OURS = MODES  # our engine's methods: the mode names of `medusa.runtime.proposers`
 HF = ("hf", "hf_assisted", "hf_lookup")
@@ -27,15 +27,20 @@ class MethodSpec(BaseModel):
     label: str | None = None
     tree: str | None = None           # medusa: tree file or shipped name
     draft: str | None = None          # draft / hf_assisted: see medusa.decoding.draft.load_draft
-    k: int | None = Field(default=None, ge=1, le=64)  # draft chain length / lookup tokens / suffix tree nodes
+    k: int | None = Field(default=None, ge=1, le=64)  # draft chain length / lookup tokens / retrieval tree nodes
     max_ngram: int = Field(default=3, ge=1)
     heads: str | None = None          # feature: feature heads directory (default: the shipped ones)
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _current_spelling(cls, v):
+        return current_spelling(v, "methods[].method") if isinstance(v, str) else v
 
     @property
     def name(self) -> str:
         if self.label:
             return self.label
-        if self.method in ("feature", "feature+suffix"):  # tree: dynamic-N[xD[xK]], or None for the planned size
+        if self.method in ("feature", "feature+retrieval"):  # tree: dynamic-N[xD[xK]], or None for the planned size
             return f"{self.method}:{self.tree or 'planned'}"
         if self.method == "medusa":
             return f"medusa:{Path(self.tree or DEFAULT_TREE).stem}"
@@ -54,7 +59,7 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str = "default"
     heads: str = "default"
-    datastore: str | None = None      # a corpus the suffix methods also draft from (`medusa datastore build`)
+    datastore: str | None = None      # a corpus the retrieval methods also draft from (`medusa datastore build`)
     dtype: str = "auto"               # auto (the machine's choice), bf16, fp16, fp32 (and their long names)
     device: str | None = None
     # mtbench, sharegpt or a local .txt/.json/.jsonl/.parquet file; or a list of them, `max_prompts` from each

@@ -72,7 +72,7 @@ def feature_drafting(proposer, acc: dict, batch_sizes: list[int], prefix: int, r
 def method_drafting(rt, cfg: EvalConfig, methods: Methods, lat: dict, cm) -> dict[str, dict[int, float]]:
     """Per configured method, ms of its draft passes per step at each batch size, from the curves timed
     above (a feature head's drafting at its own tree's shape, timed here for each method that drafts
-    with one); methods that draft on the host (lookup, suffix) have none, auto mode's follow its plans."""
+    with one); methods that draft on the host (lookup, retrieval) have none, auto mode's follow its plans."""
     out: dict[str, dict[int, float]] = {}
     draft = Latency.from_dict(lat["draft"]) if lat.get("draft") else None
     heads = lat.get("heads") or {}

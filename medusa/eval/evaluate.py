@@ -93,7 +93,7 @@ def _report(rt: Runtime, cfg: EvalConfig, num_prompts: int, results: list[dict],
 def _evaluate(cfg: EvalConfig, out_dir: Path, progress: bool) -> dict:
     from tqdm import tqdm
 
-    rt = _runtime(cfg, any(m.method in ("medusa", "medusa+suffix", "auto") for m in cfg.methods))
+    rt = _runtime(cfg, any(m.method in ("medusa", "medusa+retrieval", "auto") for m in cfg.methods))
     labelled = eval_prompts(cfg.sources, cfg.max_prompts)
     prompts = rt.encode([p for p, _ in labelled], raw=cfg.raw_prompts)
     kinds = [k for _, k in labelled]

@@ -14,7 +14,7 @@ from medusa.eval.driver import RunResult, run_engine
 def make_proposer(rt, m: MethodSpec) -> Proposer | None:
     """The proposer of one of our methods (None: plain decoding), from the one proposer factory."""
     kind = m.method.removesuffix(MERGED)
-    arg = {"feature": m.heads, "draft": m.draft or "default", "suffix": str(m.k) if m.k else None}.get(kind)
+    arg = {"feature": m.heads, "draft": m.draft or "default", "retrieval": str(m.k) if m.k else None}.get(kind)
     spec = ProposerSpec(kind, arg, retrieval=m.method.endswith(MERGED))
     # `medusa` is the Medusa heads over their default tree even where feature heads were loaded beside them.
     tree = m.tree or (DEFAULT_TREE if m.method == "medusa" else None)

@@ -11,45 +11,70 @@ The one vocabulary of how tokens are drafted, the same in `medusa generate --mod
     draft[:PATH]     a draft model (`default`, `layers:N`, a `medusa train-draft` directory, an HF model
                      directory or hub id) proposing a chain of `k` tokens
     lookup[:K]       prompt lookup, K tokens (default 8)
-    suffix[:N]       retrieval alone: a tree of N nodes (default 16) from the text's own earlier
+    retrieval[:N]    retrieval alone: a tree of N nodes (default 16) from the text's own earlier
                      continuations (`medusa.decoding.retrieval`); needs no heads. Its tree has the same
-                     name, `suffix:N` (the server's `policy.trees` without heads)
-    X+suffix         X's dynamic trees (medusa with feature heads or --tree dynamic-N, feature[:DIR])
+                     name, `retrieval:N` (the server's `policy.trees` without heads)
+    X+retrieval      X's dynamic trees (medusa with feature heads or --tree dynamic-N, feature[:DIR])
                      with retrieval branches grafted in, under X's node budget
 
 `auto` (the CLI's and the server's default) is not a proposer: it chooses among these per step.
-A spec is parsed once, where it enters (flag, config key, request), into a `ProposerSpec`.
+A spec is parsed once, where it enters (flag, config key, request), into a `ProposerSpec`. Retrieval's
+earlier spelling, `suffix[:N]` and `X+suffix`, is still read, with one warning naming the new one.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from medusa.decoding.dynamic_tree import is_dynamic
 from medusa.decoding.lookup import LookupProposer
 from medusa.decoding.proposers import GrowingProposer, MedusaProposer, Proposer
-from medusa.decoding.retrieval import MergedProposer, SuffixProposer
+from medusa.decoding.retrieval import MergedProposer, RetrievalProposer
 from medusa.decoding.tree import DEFAULT_TREE, Tree, load_tree
 from medusa.errors import MedusaError
 
 if TYPE_CHECKING:
     from medusa.runtime import Runtime
 
-MERGED = "+suffix"
+MERGED = "+retrieval"
 MERGEABLE = ("medusa", "feature")  # the kinds that grow dynamic trees retrieval can graft onto
 NO_ARGUMENT = ("plain", "medusa")
-COUNT_ARGUMENT = ("lookup", "suffix")
-SPECS = "plain, medusa, feature[:DIR], draft[:PATH], lookup[:K], suffix[:N], medusa+suffix, feature[:DIR]+suffix"
+COUNT_ARGUMENT = ("lookup", "retrieval")
+SPECS = ("plain, medusa, feature[:DIR], draft[:PATH], lookup[:K], retrieval[:N], medusa+retrieval, "
+         "feature[:DIR]+retrieval")
+OLD_KIND, OLD_MERGED = "suffix", "+suffix"  # retrieval's earlier spelling, still read
+log = logging.getLogger("medusa")
+
+
+@functools.lru_cache(maxsize=None)
+def _renamed(old: str, new: str, key: str) -> None:
+    log.warning("%s: %r is spelled %r now (retrieval is named retrieval everywhere); read as such", key, old, new)
+
+
+def current_spelling(text: str, key: str = "--mode") -> str:
+    """`text` with retrieval's earlier spelling (`suffix[:N]`, `X+suffix`, a tree `suffix:N`) replaced by
+    the current one, warning once per spelling."""
+    kind, sep, rest = text.partition(":")
+    new = text
+    if new.endswith(OLD_MERGED):
+        new = new.removesuffix(OLD_MERGED) + MERGED
+    if kind == OLD_KIND:
+        new = "retrieval" + sep + rest
+    if new != text:
+        _renamed(text, new, key)
+    return new
 DRAFT_K = 4
 LOOKUP_K = 8
-SUFFIX_NODES = 16
+RETRIEVAL_NODES = 16
 
 
 @dataclass(frozen=True)
 class ProposerSpec:
     """A parsed mode: `kind` (one of KINDS), its argument (feature's DIR, draft's PATH, lookup's K,
-    suffix's N; None: the default) and whether retrieval is grafted in (`+suffix`)."""
+    retrieval's N; None: the default) and whether retrieval is grafted in (`+retrieval`)."""
 
     kind: str
     arg: str | None = None
@@ -60,7 +85,7 @@ class ProposerSpec:
         """The spec `text` names; a MedusaError naming `key` when it names none."""
         if isinstance(text, ProposerSpec):
             return text
-        text = str(text).strip()
+        text = current_spelling(str(text).strip(), key)
         retrieval = text.endswith(MERGED)
         kind, sep, arg = text.removesuffix(MERGED).partition(":") if retrieval else text.partition(":")
         if kind not in BUILDERS:  # read at call time: a builder added later is a kind too
@@ -73,7 +98,7 @@ class ProposerSpec:
             raise MedusaError(f"{key}: {text!r}: expected {kind}:N with an integer N")
         if retrieval and kind not in MERGEABLE:
             raise MedusaError(f"{key}: {text!r}: retrieval merges into dynamic trees: feature heads, or Medusa "
-                              f"heads with --tree dynamic-N (use suffix alone for plain, drafts or lookup)")
+                              f"heads with --tree dynamic-N (use retrieval alone for plain, drafts or lookup)")
         return cls(kind, arg or None, retrieval)
 
     @property
@@ -102,7 +127,7 @@ BUILDERS: dict[str, Callable[["Runtime", ProposerSpec, Options], "Proposer | Non
     "feature": lambda rt, spec, o: _feature(rt, spec.arg, o.tree),
     "draft": lambda rt, spec, o: _draft(rt, spec.arg or "default", o.k or DRAFT_K),
     "lookup": lambda rt, spec, o: LookupProposer(k=int(spec.arg or o.k or LOOKUP_K), max_ngram=o.max_ngram),
-    "suffix": lambda rt, spec, o: SuffixProposer(int(spec.arg or SUFFIX_NODES), rt.retriever()),
+    "retrieval": lambda rt, spec, o: RetrievalProposer(int(spec.arg or RETRIEVAL_NODES), rt.retriever()),
 }
 KINDS = tuple(BUILDERS)
 MODES = KINDS + tuple(k + MERGED for k in MERGEABLE)  # every mode name (a spec without its argument)
@@ -151,10 +176,10 @@ def _draft(rt: "Runtime", path: str, k: int) -> Proposer:
     return DraftProposer(draft, k)
 
 
-def merged(inner: Proposer | None, retriever=None, spec: str = "medusa+suffix") -> Proposer:
+def merged(inner: Proposer | None, retriever=None, spec: str = "medusa+retrieval") -> Proposer:
     """`inner`'s dynamic trees with retrieval branches grafted in (`inner` must grow its trees)."""
     if not isinstance(inner, GrowingProposer):
         raise MedusaError(f"--mode: {spec!r}: retrieval merges into dynamic trees: feature heads, or Medusa heads "
-                          f"with --tree dynamic-N (use suffix alone for plain, static trees, drafts or lookup)")
+                          f"with --tree dynamic-N (use retrieval alone for plain, static trees, drafts or lookup)")
     return MergedProposer(inner, retriever)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-from medusa.decoding.retrieval import SuffixProposer
+from medusa.decoding.retrieval import RetrievalProposer
 
 if TYPE_CHECKING:
     from medusa.runtime import Runtime
@@ -28,7 +28,7 @@ def retrieval_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "Au
     from medusa.runtime.gate import bucket
 
     cal = load_or_measure(rt, [1 << i for i in range(bucket(batch_size).bit_length())], progress=progress)
-    proposers = {n: SuffixProposer(n, rt.retriever()) for n in SIZES}
+    proposers = {n: RetrievalProposer(n, rt.retriever()) for n in SIZES}
 
     @functools.lru_cache(maxsize=None)
     def plans(rows: int) -> Plan:

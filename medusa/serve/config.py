@@ -16,8 +16,8 @@ from medusa.io import read_yaml, validate
 from medusa.decoding.hardware import check_dtype_spelling
 
 PolicyMode = Literal["dynamic", "medusa", "draft", "plain"]
-# Retrieval's trees were once named suffix-N; they are named as the mode is now, suffix:N.
-OLD_RETRIEVAL_TREE = re.compile(r"suffix-(\d+)")
+# Retrieval's trees were once named suffix-N, then suffix:N; they are named as the mode is now, retrieval:N.
+OLD_RETRIEVAL_TREE = re.compile(r"suffix[-:](\d+)")
 
 log = logging.getLogger("medusa.serve.app")
 
@@ -35,8 +35,8 @@ class PolicyConfig(BaseModel):
     low_watermark: int = Field(4, ge=0)
     # The heads' tree per running batch size: the largest key <= batch size applies. Medusa heads take
     # static trees (`tree-8`, `chain-K`, a path) or dynamic ones (`dynamic-N[xD[xK]]`), feature heads
-    # dynamic ones only; without heads, retrieval's `suffix:N`. Unset: the calibrated plans, else tree-8
-    # (Medusa), dynamic-16x5x8 (feature) or suffix:16 (no heads).
+    # dynamic ones only; without heads, retrieval's `retrieval:N`. Unset: the calibrated plans, else tree-8
+    # (Medusa), dynamic-16x5x8 (feature) or retrieval:16 (no heads).
     trees: dict[int, str] | None = None
     # Acceptance gate (per batch-size bucket): mean tokens per row-step (tau) over the last `window`
     # speculative steps; below max(min_tau, measured spec/plain step-time ratio) speculation pauses for
@@ -63,8 +63,8 @@ class PolicyConfig(BaseModel):
             m = OLD_RETRIEVAL_TREE.fullmatch(name)
             if m:
                 log.warning("policy.trees: %r is spelled %r now (retrieval's trees are named as its mode); "
-                            "read as such", name, f"suffix:{m.group(1)}")
-                name = f"suffix:{m.group(1)}"
+                            "read as such", name, f"retrieval:{m.group(1)}")
+                name = f"retrieval:{m.group(1)}"
             out[size] = name
         return out
 

@@ -13,7 +13,7 @@ from medusa.decoding.tree import DEFAULT_TREE, Tree, load_tree
 from medusa.errors import MedusaError
 from medusa.runtime import Runtime
 from medusa.runtime.gate import bucket
-from medusa.runtime.proposers import SUFFIX_NODES, ProposerSpec, build_proposer
+from medusa.runtime.proposers import RETRIEVAL_NODES, ProposerSpec, build_proposer
 from medusa.serve.config import ServeConfig
 from medusa.serve.policy import CostModel, SpeculationPolicy
 
@@ -39,20 +39,20 @@ def calibrated_policy(cfg: ServeConfig, rt: Runtime, draft: Any) -> tuple[CostMo
 
 def drafts_without_draft_model(rt: Runtime) -> bool:
     """Whether the runtime can speculate with no draft model (the policy's "medusa" mode): heads of its own
-    (Medusa or feature heads), or, without heads, retrieval alone (`suffix:N` trees)."""
+    (Medusa or feature heads), or, without heads, retrieval alone (`retrieval:N` trees)."""
     return rt.heads is not None or rt.feature is not None or rt.retrieval
 
 
 def default_trees(rt: Runtime) -> dict[int, str]:
     """The trees when neither the config nor a calibration names them: Medusa heads' default static tree,
     a middle-sized dynamic tree for feature heads (they grow dynamic trees only), or without heads
-    retrieval's default tree, named as its mode (`suffix:16`)."""
+    retrieval's default tree, named as its mode (`retrieval:16`)."""
     if rt.feature is not None:
         from medusa.runtime.feature import DEFAULT_SHAPE
 
         return {1: DEFAULT_SHAPE.full_name}
     if rt.heads is None:
-        return {1: str(ProposerSpec("suffix", str(SUFFIX_NODES)))}
+        return {1: str(ProposerSpec("retrieval", str(RETRIEVAL_NODES)))}
     return {1: DEFAULT_TREE}
 
 
@@ -70,11 +70,11 @@ def heads_proposer(rt: Runtime, name: str, planned: Tree | None = None) -> Any:
     try:
         if rt.heads is None and rt.feature is None:  # retrieval alone: its trees are named as its mode
             kind, _, nodes = name.partition(":")
-            if kind != "suffix" or not nodes.isdigit():
-                raise MedusaError(f"{name!r}: without heads the trees are retrieval's, named suffix:N")
+            if kind != "retrieval" or not nodes.isdigit():
+                raise MedusaError(f"{name!r}: without heads the trees are retrieval's, named retrieval:N")
             return build_proposer(rt, name)
         if is_dynamic(name) or rt.feature is not None:  # dynamic trees: retrieval grafted in
-            return rt.proposer("medusa+suffix" if rt.retrieval else "medusa", name)
+            return rt.proposer("medusa+retrieval" if rt.retrieval else "medusa", name)
         return rt.proposer("medusa", planned or load_tree(name, heads_dir=rt.heads.directory))
     except MedusaError as exc:
         raise MedusaError(f"policy.trees: {str(exc).removeprefix('--tree: ')}") from None
