@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from medusa.decoding.dynamic_tree import Pool, row_trees, select_nodes
-from medusa.decoding.sampling import ACCEPT_REJECTION
+from medusa.decoding.verifier import ACCEPT_REJECTION
 from medusa.decoding.tree import Tree, chain
 from medusa.decoding.verifier import Candidates, Verifier
 

@@ -16,7 +16,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from medusa.decoding.outputs import MAX_TOP_LOGPROBS, Finished, Stats
+from medusa.decoding.outputs import MAX_TOP_LOGPROBS, Finished, Stats, StepOutput, TokenLogprobs
 from medusa.decoding.proposers import RowState
 from medusa.decoding.sampling import RowSampling, SamplingParams
 from medusa.decoding.transformer import Transformer
@@ -146,3 +146,41 @@ class Batch:
         if not self.logprobs:
             return None
         return max(self.logprobs.values())
+
+    def emit(self, eos: torch.Tensor, rows: slice, new: torch.Tensor, count: torch.Tensor,
+             logprobs: TokenLogprobs | None = None, accepted: torch.Tensor | None = None, width: int = 0) -> StepOutput:
+        """Append new tokens [n, m] (the first count [n] of each row) to each row's output, cut at an EOS
+        (`eos` [E]) or the row's max tokens, and retire the rows that finished.
+
+        `accepted` [n] (candidates accepted per row; None after a prefill) goes into the acceptance histogram
+        (`width` bins) and the output. The counts, the finish flags and `accepted` reach the host in one read,
+        one wait for the device."""
+        j = torch.arange(new.shape[1], device=new.device)
+        is_eos = torch.isin(new, eos) & (j < count[:, None])
+        hit = is_eos.any(1)
+        count = torch.where(hit, is_eos.long().argmax(1) + 1, count)
+        count = torch.minimum(count, self.max_new[rows] - self.out_len[rows])
+        out = self.out[rows]
+        idx = (self.out_len[rows, None] + j).clamp(max=out.shape[1] - 1)
+        keep = j < count[:, None]
+        out.scatter_(1, idx, torch.where(keep, new, out.gather(1, idx)))
+        self.out_len[rows] += count
+        length = self.out_len[rows] >= self.max_new[rows]
+        read = [count, hit.long(), length.long()] + ([accepted] if accepted is not None else [])
+        host = torch.stack(read).tolist()
+        self.sampling.emitted(rows, host[0])
+        self.stats.new_tokens += sum(host[0])
+        if accepted is not None:
+            self.stats.add_hist(host[3], width)
+        ids = self.ids[rows]
+        finished = []
+        done = [r for r, (h, full) in enumerate(zip(host[1], host[2])) if h or full]
+        if done:
+            reason = {ids[r]: "stop" if host[1][r] else "length" for r in done}
+            finished = self.remove([ids[r] for r in done])
+            for f in finished:
+                f.reason = reason[f.id]
+        accepted_list = host[3] if accepted is not None else [0] * len(host[0])
+        if accepted is None:
+            accepted = torch.zeros_like(count)
+        return StepOutput(ids, new, count, finished, logprobs, accepted, host[0], accepted_list)

@@ -10,7 +10,7 @@ rows are not stalled). Each `Engine.step` is one speculative step over every act
     commit       keep that path: cache entries, tokens, the next root, every proposer's per-row state
 
 then the step is counted and the new tokens are emitted, retiring rows that are done
-(`medusa.decoding.outputs.emit`). Rows have their own lengths and accept different numbers of tokens;
+(`Batch.emit`). Rows have their own lengths and accept different numbers of tokens;
 nothing in the step loops over rows in Python.
 """
 
@@ -24,7 +24,7 @@ import torch
 
 from medusa.errors import MedusaError
 from medusa.decoding.batch import Batch
-from medusa.decoding.outputs import Finished, Generation, Stats, StepOutput, TokenLogprobs, emit, token_logprobs
+from medusa.decoding.outputs import Finished, Generation, Stats, StepOutput, TokenLogprobs, token_logprobs
 from medusa.decoding.prefilling import Prefilling
 from medusa.decoding.proposers import Proposer
 from medusa.decoding.sampling import SamplingParams
@@ -99,7 +99,7 @@ class Engine(Prefilling):
         counted(batch.stats, ran)
         lp = self._logprobs(batch, ran, verdict, new) if batch.logprobs else None
         width = (proposer.max_depth if proposer is not None else 0) + 1  # acceptance histogram bins
-        return emit(batch, self.eos, ran.rows, new, verdict.accepted + 1, lp, verdict.accepted, width)
+        return batch.emit(self.eos, ran.rows, new, verdict.accepted + 1, lp, verdict.accepted, width)
 
     def draft(self, batch: Batch, proposer: Proposer | None) -> RowTrees:
         """Each active row's candidate tree: the proposer's draft, or the root alone (plain decoding)."""

@@ -17,9 +17,9 @@ from medusa.decoding.feature_heads import FeatureHead
 from medusa.decoding.feature_runner import DraftBlock, FeatureState, HeadRunner, LayerTaps
 from medusa.decoding.proposers import GrowingProposer
 from medusa.decoding.ragged import aux_state, catch_up, common_prefix, context, rewound
-from medusa.decoding.sampling import ACCEPT_REJECTION, sample_from
 from medusa.decoding.transformer import Transformer, causal
 from medusa.decoding.tree import build_tree, expected_tau
+from medusa.decoding.verifier import ACCEPT_REJECTION, sample_from
 from medusa.errors import MedusaError
 
 if TYPE_CHECKING:

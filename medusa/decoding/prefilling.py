@@ -12,9 +12,10 @@ import torch
 
 from medusa.errors import MedusaError
 from medusa.decoding.batch import Batch, Prefill
-from medusa.decoding.outputs import StepOutput, emit, token_logprobs
-from medusa.decoding.sampling import GREEDY, SamplingParams, argmax, sample_from
+from medusa.decoding.outputs import StepOutput, token_logprobs
+from medusa.decoding.sampling import GREEDY, SamplingParams
 from medusa.decoding.transformer import PassInputs, Transformer, causal
+from medusa.decoding.verifier import argmax, sample_from
 
 
 class Prefilling:
@@ -185,4 +186,4 @@ class Prefilling:
         lp = None
         if batch.logprobs and any(i in batch.logprobs for i in ids):
             lp = token_logprobs(logits[:, None], new, batch.logprobs_k())
-        return emit(batch, self.eos, rows, new, torch.ones(k, dtype=torch.long, device=dev), lp)  # accepted: 0
+        return batch.emit(self.eos, rows, new, torch.ones(k, dtype=torch.long, device=dev), lp)  # accepted: 0

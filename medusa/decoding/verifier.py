@@ -13,8 +13,23 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa.decoding.sampling import ACCEPT_GREEDY, ACCEPT_MATCH, ACCEPT_REJECTION, ACCEPT_TYPICAL, argmax, sample_from
 from medusa.decoding.tree import TreeBuffers
+
+# Each row's acceptance rule (`RowSampling.acceptance`; `sampling.acceptance_of` picks it from a request).
+ACCEPT_GREEDY, ACCEPT_REJECTION, ACCEPT_TYPICAL, ACCEPT_MATCH = 0, 1, 2, 3
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` with the same first-index rule on ties. On CPU the max kernel is 2-2.5x faster
+    than argmax's over vocabulary-sized bf16 rows, which is ~0.1 ms of every decoding step at batch size 1."""
+    return logits.max(-1).indices
+
+
+def sample_from(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: p [n, V] (unnormalised is fine), u [n] uniforms -> token ids [n]."""
+    c = p.cumsum(-1)
+    target = (u * c[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(c, target, right=True).squeeze(-1).clamp(max=p.shape[-1] - 1)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from medusa.decoding.sampling import argmax
+from medusa.decoding.verifier import argmax
 
 BLOCK = 256  # rows per block: a [256, 8192] fp32 block is 8 MB
 
