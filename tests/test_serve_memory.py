@@ -52,3 +52,35 @@ def test_idle_after_load_trims_and_metrics_say_what_is_held(rt):
                                                            "max_tokens": 4, "n": n, "temperature": 0.5}, timeout=60)
             assert r.status_code == 200
         assert _wait(lambda: trims() >= before + 1, 60)  # once idle after the work
+
+
+def test_a_cap_on_the_kernel_caches_bounds_what_new_shapes_hold():
+    """Every matrix shape a packed layer meets keeps a compiled kernel in oneDNN's caches; capped
+    (`--kernel-cache-entries`), a fresh process that meets 150 shapes holds far less once free memory is
+    given back than one with the library's default caps."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from medusa.decoding.linear import packing_available
+
+    if not packing_available(torch.zeros(2, 2)):
+        pytest.skip("no oneDNN weight packing on this machine: layers use F.linear, which keeps no kernel per shape")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from kernel_cache_memory import measure
+
+    default, capped = (measure(cap, 576, 1536, 150) for cap in ("default", "8"))
+    assert capped["caps"] == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": 8, "LRU_CACHE_CAPACITY": 8}
+    assert default["after_trim_mb"] > 20, default  # the growth being bounded is there to see
+    assert capped["after_trim_mb"] < default["after_trim_mb"] / 3, (capped, default)
+
+
+def test_a_kernel_cache_cap_set_in_the_environment_wins(monkeypatch):
+    from medusa.decoding.hardware import KERNEL_CACHE_DEFAULT, limit_kernel_caches
+
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "100")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    assert limit_kernel_caches(None) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": KERNEL_CACHE_DEFAULT,
+                                         "LRU_CACHE_CAPACITY": 100}
+    assert limit_kernel_caches(64) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": 64, "LRU_CACHE_CAPACITY": 100}

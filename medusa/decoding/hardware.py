@@ -99,6 +99,27 @@ def machine(device: torch.device | str = "cpu") -> Machine:
                    torch.get_num_threads())
 
 
+# Compiled CPU kernels are kept per matrix shape in two caches: oneDNN's primitive cache and the computation
+# cache of PyTorch's ideep layer, 1024 entries each by default. Each (layer shape, row count) a packed linear
+# layer meets takes an entry in both (~0.25 + ~0.4 MB for a 576x1536 layer, AMD EPYC Zen 3, fp32;
+# `benchmarks/kernel_cache_memory.py`), so a server that meets many prompt lengths grows until both are full:
+# bounded, but by hundreds of MB. A cap bounds it lower; a shape evicted and met again is compiled again (~1 ms).
+KERNEL_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+KERNEL_CACHE_DEFAULT = 1024
+
+
+def limit_kernel_caches(entries: int | None) -> dict[str, int]:
+    """Cap both kernel caches at `entries` each (None: leave them as they are), unless the environment
+    already sets one (the user's value wins). Takes effect only before the process's first oneDNN kernel.
+    Returns the capacity each cache gets."""
+    out = {}
+    for var in KERNEL_CACHE_VARS:
+        if entries is not None and var not in os.environ:
+            os.environ[var] = str(entries)
+        out[var] = int(os.environ.get(var, KERNEL_CACHE_DEFAULT))
+    return out
+
+
 def command_line(argv: list[str] | None = None) -> str:
     """The command that is running, shell-quoted; an installed entry point (`medusa`) by its name only."""
     import shlex

@@ -44,6 +44,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "prefix_cache, default on)")
     p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
                    help="the prefix cache's memory budget (default: min(10%% of available memory, 2 GiB))")
+    p.add_argument("--kernel-cache-entries", type=int, default=None, metavar="N",
+                   help="compiled CPU kernels kept per matrix shape, in each of oneDNN's two caches: memory grows "
+                        "by a few hundred KB per entry until they are full (config kernel_cache_entries, default "
+                        "1024 each; a value set in the environment wins)")
     p.add_argument("--batch-invariant", default=None, choices=["on", "off"],
                    help="a request's tokens never depend on the others in its batch, in bf16 too (config "
                         "batch_invariant, default off: it costs speed)")
@@ -77,7 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     keys = ("model", "heads", "draft", "datastore", "dtype", "device", "threads", "host", "port", "docs", "served_model_name",
             "max_context", "max_batch", "api_key", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s",
             "prefill_tokens_per_step", "prefill_stall", "max_header_bytes", "allowed_hosts", "cors_origins",
-            "tpot_slo", "prefix_cache_mb")
+            "tpot_slo", "prefix_cache_mb", "kernel_cache_entries")
     overrides = {k: getattr(args, k) for k in keys}
     overrides["retrieval"] = None if args.retrieval is None else args.retrieval == "on"
     overrides["chunked_prefill"] = None if args.chunked_prefill is None else args.chunked_prefill == "on"
@@ -97,6 +101,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from medusa.serve.app import create_app
     from medusa.serve.connection import uvicorn_config
 
+    from medusa.decoding.hardware import limit_kernel_caches
+
+    caps = limit_kernel_caches(cfg.kernel_cache_entries)  # before the model's first oneDNN kernel
+    logging.getLogger("serve").info("compiled-kernel caches: %s", ", ".join(f"{k}={v}" for k, v in caps.items()))
     set_engine_threads(cfg)
     app = create_app(cfg)
     uvicorn.Server(uvicorn_config(app, cfg, host=cfg.host, port=cfg.port, log_level=cfg.log_level)).run()

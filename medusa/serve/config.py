@@ -123,6 +123,9 @@ class ServeConfig(BaseModel):
     prefix_cache: bool = True
     prefix_cache_mb: float | None = Field(None, gt=0)  # its budget; unset: min(10% of available memory, 2 GiB)
     prefix_cache_block: int = Field(16, ge=1, le=4096)
+    # Compiled CPU kernels kept per matrix shape, in each of oneDNN's two caches (medusa.decoding.hardware:
+    # a few hundred KB per entry; RSS grows until they are full). Unset: the library's 1024 each.
+    kernel_cache_entries: int | None = Field(None, ge=1)
     # Largest request body accepted (bytes); larger ones get 413 before they are read. 1 MiB holds any
     # prompt that fits a 2048-token context many times over.
     max_body_bytes: int = Field(1 << 20, ge=1024)
