@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--prefix-cache-mb", type=float, default=None,
                    help="the server's prefix cache budget (small: eviction all through the soak); default: its own")
+    p.add_argument("--kernel-cache-entries", type=int, default=None,
+                   help="the server's cap on compiled kernels per cache (`medusa serve --kernel-cache-entries`)")
     p.add_argument("--warmup", type=float, default=None, help="seconds of the same traffic before the baseline "
                    "(default: a tenth of the traffic, at least 15 s: the allocator keeps the largest shapes "
                    "it has served, so the baseline waits until the traffic's shapes have all come by)")
@@ -91,7 +93,8 @@ def server_config(args: argparse.Namespace) -> dict:
     return {"model": args.model, "heads": args.heads, "dtype": args.dtype, "threads": 1,
             "max_batch": args.max_batch, "max_queue": args.max_queue, "max_context": 512, "queue_timeout_s": 30,
             "max_body_bytes": args.max_body_bytes, "log_level": "warning",
-            **({"prefix_cache_mb": args.prefix_cache_mb} if args.prefix_cache_mb else {})}
+            **({"prefix_cache_mb": args.prefix_cache_mb} if args.prefix_cache_mb else {}),
+            **({"kernel_cache_entries": args.kernel_cache_entries} if args.kernel_cache_entries else {})}
 
 
 def prefix_cache_counts(url: str) -> dict[str, float]:
