@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = {cap: measure(cap, *args.features, args.shapes) for cap in args.caps.split(",")}
     for cap, r in rows.items():
-        print(f"cap {cap:>7}: +{r['grown_mb'][0]:.1f} MB after {args.shapes} shapes, +{r['grown_mb'][1]:.1f} MB after "
-              f"the same shapes again, +{r['after_trim_mb']:.1f} MB after malloc_trim ({r['mb_per_shape']:.3f} MB per shape)")
+        print(f"cap {cap:>7}: +{r['grown_mb'][0]:.1f} MB after {args.shapes} shapes, +{r['grown_mb'][1]:.1f} MB "
+              f"after the same shapes again, +{r['after_trim_mb']:.1f} MB after malloc_trim "
+              f"({r['mb_per_shape']:.3f} MB per shape)")
     out = {"command": " ".join(["benchmarks/kernel_cache_memory.py", *(argv or sys.argv[1:])]),
            "features": args.features, "shapes": args.shapes, "results": rows,
            "machine": {k: v for k, v in machine().__dict__.items()}}

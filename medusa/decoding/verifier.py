@@ -109,8 +109,9 @@ class RowTrees:
         """Every row on one static tree: tokens [n, T-1] fill its nodes; the tree's tensors are expanded
         views of its precomputed buffers (no copies)."""
         n = tokens.shape[0]
-        return cls(tokens, tree.mask.expand(n, -1, -1), tree.node_depth.expand(n, -1), tree.leaf_paths.expand(n, -1, -1),
-                   tree.path_len.expand(n, -1), tree.children.expand(n, -1, -1), tree.parent.expand(n, -1), proposal)
+        return cls(tokens, tree.mask.expand(n, -1, -1), tree.node_depth.expand(n, -1),
+                   tree.leaf_paths.expand(n, -1, -1), tree.path_len.expand(n, -1), tree.children.expand(n, -1, -1),
+                   tree.parent.expand(n, -1), proposal)
 
     def candidates(self, tokens: torch.Tensor) -> Candidates:
         """What the verifier reads, for tokens [n, T] (the roots, then `self.tokens`)."""
