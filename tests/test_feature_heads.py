@@ -825,3 +825,32 @@ def test_each_named_model_gets_its_own_shipped_head(tmp_path, monkeypatch):
     shutil.rmtree(own)
     with pytest.raises(MedusaError, match="--heads feature: no feature head is shipped for Qwen2.5-Coder-1.5B"):
         rf.resolve_feature("feature", target)
+
+
+def test_a_second_prediction_for_prompts_unlike_the_training_data(tiny_run, tmp_path, capsys):
+    """With `other_prompts`, every report also predicts tau on the target's own answers to prompts of
+    another source (written once to run_dir/other_answers.json, so a resumed run counts the same texts),
+    beside the held-out split's prediction."""
+    from medusa.train.feature import predicted_tau, run_feature_training
+
+    root, model_dir, data = tiny_run
+    prompts = tmp_path / "other.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: what comes after {i}?"}) + "\n" for i in range(5)))
+    run = tmp_path / "other"
+    cfg = _feature_config(root, model_dir, data, run, max_steps=4, eval_every=2, eval_examples=2,
+                          tau_tree="dynamic-6x3", measure_tau_prompts=0, other_prompts=str(prompts),
+                          other_prompts_count=3, other_answer_tokens=6)
+    report = run_feature_training(cfg, progress=False)["eval"]
+    err = capsys.readouterr().err
+    assert err.count(f"on {prompts} prompts") == 2  # step 2 and the end
+    saved = json.loads((run / "other_answers.json").read_text())
+    assert saved["source"] == str(prompts) and len(saved["sequences"]) == 3
+    assert all(0 < sum(s["loss_mask"]) <= 6 for s in saved["sequences"])
+    other = report["other_prompts"]  # the end's report counts every answer (eval_examples is for the steps)
+    assert other["examples"] == 3 and report["expected_tau_other"]["dynamic-6x3"] == round(
+        predicted_tau("dynamic-6x3", {"rank_accuracy": other["rank_accuracy"]}), 3)
+    # The answers are not made again: a changed file is not read once they are written.
+    prompts.write_text(json.dumps({"prompt": "something else entirely"}) + "\n")
+    from medusa.train.feature_eval import other_answers
+
+    assert other_answers(cfg, None, None) == saved["sequences"]

@@ -92,7 +92,8 @@ def test_config_end_to_end_on_a_tiny_model_of_its_architecture(name, tmp_path, c
     cfg = yaml.safe_load((REPO / "configs" / "feature" / f"{name}.yaml").read_text())
     cfg.update(model=str(model), dtype="fp32", precision="fp32", run_dir=str(tmp_path / "run"), threads=1,
                batch_size=4, chunk=8, max_steps=4, checkpoint_every=2, log_every=1, eval_every=2,
-               eval_examples=2, measure_tau_prompts=2, measure_tau_tokens=8, wandb={"mode": "disabled"})
+               eval_examples=2, measure_tau_prompts=2, measure_tau_tokens=8, wandb={"mode": "disabled"},
+               other_prompts=str(tmp_path / "prompts.txt"), other_prompts_count=2, other_answer_tokens=4)
     cfg["data"].update(sources=[str(tmp_path / "prompts.txt")], distill_dir=str(tmp_path / "distilled"),
                        max_new_tokens=12, shard_size=8, eval_fraction=0.2, max_prompt_tokens=64, max_seq_tokens=64)
     cfg["head"]["draft_vocab"] = 48
@@ -112,6 +113,7 @@ def test_config_end_to_end_on_a_tiny_model_of_its_architecture(name, tmp_path, c
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "world size 2" in out and "expected tau" in out and not (tmp_path / "run" / "features").exists()
+    assert "prompts.txt prompts" in out  # the second prediction, on prompts beside the training data
     # 3. Export in EAGLE's layout; decode with it: the tokens of plain decoding.
     exported = tmp_path / "eagle"
     assert main(["export", "--heads", str(tmp_path / "run" / "head"), "--format", "eagle", "--out", str(exported)]) == 0

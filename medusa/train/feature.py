@@ -33,7 +33,7 @@ from medusa.train.data import load_examples, split_groups
 from medusa.train.dist import Dist, shard_target
 from medusa.train.feature_data import (Features, OnlineFeatures, cached_features, draft_map, draft_vocabulary,
                                        extract, feature_fn, sequence_order)
-from medusa.train.feature_eval import evaluate_head, evaluate_saved, measure_tau, predicted_tau  # noqa: F401
+from medusa.train.feature_eval import evaluate_head, evaluate_saved, measure_tau, other_answers, predicted_tau  # noqa: F401
 from medusa.train.feature_loss import head_loss, step_counts, unrolled, unrolled_mask  # noqa: F401
 from medusa.train.hidden import table_key
 from medusa.train.logs import start_wandb
@@ -105,6 +105,14 @@ class FeatureTrainConfig(RunConfig):
     tau_tree: str = "dynamic-16x5"
     measure_tau_prompts: int = Field(default=8, ge=0)
     measure_tau_tokens: int = Field(default=64, gt=0)
+    # A second prediction, for prompts unlike the training data: the held-out split comes from the training
+    # sources, so its tau is the head's best case. With `other_prompts` (a prompt source: `heldout`, six task
+    # kinds no training source holds, or a file), the target's greedy answers to the first
+    # `other_prompts_count` of them (`other_answer_tokens` each, written once to run_dir/other_answers.json)
+    # are counted as the split is, and each report carries `expected_tau_other` beside `expected_tau`.
+    other_prompts: str | None = None
+    other_prompts_count: int = Field(default=48, gt=0)
+    other_answer_tokens: int = Field(default=128, gt=0)
 
     @field_validator("tau_tree")
     @classmethod
@@ -231,14 +239,26 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
             if not d.main:
                 held_features.clear()
 
+    other: list[tuple[list[dict], Features]] = []  # the other prompts' answers and features, made on first use
+
     def acceptance(step: int, examples: int | None) -> dict:
         if not held_features:
             held_features.append(extract(held, fn))
         report = evaluate_head(head, cfg, hf, fn, held, full_to_draft, held_features[0], examples)
         report["expected_tau"] = {cfg.tau_tree: round(predicted_tau(cfg.tau_tree, report), 3)} if report else {}
+        line = ""
+        if report and cfg.other_prompts and not sharded:  # answering needs the target whole in one process
+            if not other:
+                answers = other_answers(cfg, hf, tokenizer)
+                other.append((answers, extract(answers, fn)))
+            rest = evaluate_head(head, cfg, hf, fn, other[0][0], full_to_draft, other[0][1], examples)
+            report["expected_tau_other"] = {cfg.tau_tree: round(predicted_tau(cfg.tau_tree, rest), 3)}
+            report["other_prompts"] = {"source": cfg.other_prompts, "examples": rest["examples"],
+                                       "rank_accuracy": rest["rank_accuracy"]}
+            line = f", on {cfg.other_prompts} prompts {report['expected_tau_other'][cfg.tau_tree]:.2f}"
         if report and d.main:
             print(f"step {step} held-out top-1 [{' '.join(f'{a:.3f}' for a in report['top1'][:cfg.loss.unroll + 1])}] "
-                  f"expected tau ({cfg.tau_tree}) {report['expected_tau'][cfg.tau_tree]:.2f}", file=sys.stderr,
+                  f"expected tau ({cfg.tau_tree}) {report['expected_tau'][cfg.tau_tree]:.2f}{line}", file=sys.stderr,
                   flush=True)
         return report
 
@@ -328,6 +348,8 @@ def _train(cfg: FeatureTrainConfig, head, feats: Features, full_to_draft: torch.
             head.train()
             if report:
                 row.update({"eval/expected_tau": report["expected_tau"][cfg.tau_tree],
+                            **({"eval/expected_tau_other": report["expected_tau_other"][cfg.tau_tree]}
+                               if "expected_tau_other" in report else {}),
                             **{f"eval/step{j}/top1": a for j, a in enumerate(report["top1"])}})
         if wb is not None:
             wb.log(row, step=step)

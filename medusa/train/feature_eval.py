@@ -72,6 +72,32 @@ def measure_tau(cfg: FeatureTrainConfig, hf, tokenizer, head, held: list[dict]) 
 
 
 @torch.no_grad()
+def other_answers(cfg: FeatureTrainConfig, hf, tokenizer) -> list[dict]:
+    """The target's greedy answers to the first `other_prompts_count` prompts of `cfg.other_prompts`
+    (`other_answer_tokens` new tokens each, decoded together), as held-out sequences (input_ids, loss_mask).
+    Written once to run_dir/other_answers.json and read back from there after (a resumed run, a later
+    evaluation), so every report of a run counts the same texts."""
+    from medusa.decoding.engine import Engine
+    from medusa.decoding.transformer import Transformer
+    from medusa.prompts import load_prompts
+    from medusa.runtime.runtime import Runtime, eos_ids
+
+    path = Path(cfg.run_dir) / "other_answers.json"
+    if path.is_file():
+        return json.loads(path.read_text())["sequences"]
+    model = Transformer(hf)
+    rt = Runtime(hf, tokenizer, model, Engine(model, eos_ids(hf, tokenizer)), None)
+    prompts = rt.encode(load_prompts(cfg.other_prompts, cfg.other_prompts_count))
+    gen = rt.engine.generate(prompts, cfg.other_answer_tokens)
+    sequences = [{"input_ids": list(p) + list(o.tokens), "loss_mask": [0] * len(p) + [1] * len(o.tokens)}
+                 for p, o in zip(prompts, gen.outputs)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"source": cfg.other_prompts, "answer_tokens": cfg.other_answer_tokens,
+                             "sequences": sequences})
+    return sequences
+
+
+@torch.no_grad()
 def evaluate_head(head, cfg: FeatureTrainConfig, hf, fn, held: list[dict], full_to_draft: torch.Tensor,
                   feats: Features | None = None, examples: int | None = None) -> dict:
     """Held-out rank accuracy per draft step (step j: the head's own j previous outputs as features), the
