@@ -16,7 +16,7 @@ node it meets (same parent, same token) to the continuation's and appends the re
 N best nodes are kept (`Pool.trees`). A row whose match is long gets a deep retrieval branch; a row with
 none gets the head's tree unchanged. Scores still only fall along every path, so the kept nodes form a tree.
 
-`SuffixProposer` drafts from retrieval alone (any model, no heads); `MergedProposer` wraps a tree proposer
+`RetrievalProposer` drafts from retrieval alone (any model, no heads); `MergedProposer` wraps a tree proposer
 (feature heads, Medusa heads' dynamic trees). Rows sampled with a drafted chain (rejection sampling with a
 feature head) keep the head's chain alone: retrieval nodes are point masses, and those rows' trees are the
 sampled chain exactly. Verification does not change: any draft is safe, and greedy output is the target's.
