@@ -164,8 +164,8 @@ class Verifier:
 
     def verify(self, logits: torch.Tensor, cand: Candidates, sampling=None, rows: slice | None = None) -> Verdict:
         """logits [n, T, V]: the target's logits at every node. Without `sampling` (the batch's
-        `RowSampling`, read at `rows`) or with only greedy rows there, the greedy rule."""
-        if sampling is None or not sampling.any_sampling(rows):
+        `RowSampling`, read at `rows`; the engine passes it only when a row samples), the greedy rule."""
+        if sampling is None:
             return self.greedy(logits, cand)
         return self.by_rule(sampling.probs(logits, rows), cand, sampling, rows)
 
