@@ -37,7 +37,7 @@ def bench(where: Path, args: list[str], out: Path) -> tuple[dict[str, float], di
     speeds, taus = dict(report["tokens_per_s"]), dict(report.get("mean_accepted") or {})
     for b, row in (report.get("batched") or {}).items():  # `--batch-sizes`: default flags and plain per size
         speeds.update({f"bs{b} plain": row["plain"], f"bs{b} auto": row["auto"],
-                       f"bs{b} auto/plain": row["auto"] / row["plain"]})
+                       f"bs{b} auto/plain": row.get("speedup", row["auto"] / row["plain"])})
         taus[f"bs{b} auto"] = row["auto_tau"]
     # A base from before retrieval was named retrieval reports its methods as suffix:N: read as today's name.
     renamed = lambda d: {k.replace("suffix", "retrieval"): v for k, v in d.items()}  # noqa: E731

@@ -3,7 +3,8 @@
     python benchmarks/step_profile.py --shapes dynamic-12x3,dynamic-16x5 --num-prompts 4 --max-new-tokens 128 \
         --json benchmarks/results/step_profile.json
 
-Batch size 1, greedy, the default model and feature head (`--heads`). Each method decodes every prompt
+Greedy, the default model and feature head (`--heads`), prompts decoded in groups of `--batch-size` (tau is
+then tokens per step over plain decoding's, one per live row). Each method decodes every prompt
 `--repeats` times, interleaved with the others, after an unmeasured warm-up; the phases are timed by
 wrapping the engine's and the proposer's methods (on a GPU each timer waits for the device first, which
 itself costs a little). Every phase is reported in ms per step and as a multiple of a plain step, so
@@ -34,14 +35,15 @@ PHASES = [
     ("target pass", "medusa.decoding.transformer:Transformer", "forward"),
     ("verify", "medusa.decoding.verifier:Verifier", "verify"),
     ("feature bookkeeping", "medusa.decoding.feature_runner:FeatureState", "committed"),
-    ("draft", "medusa.decoding.feature_proposer:FeatureProposer", "draft"),
+    ("draft", "medusa.decoding.engine:Engine", "draft"),
     ("draft: head layer", "medusa.decoding.feature_runner:HeadRunner", "forward"),
     ("draft: head vocabulary", "medusa.decoding.feature_runner:HeadRunner", "logits"),
     ("draft: head inputs", "medusa.decoding.feature_runner:HeadRunner", "inputs"),
     ("draft: tree nodes", "medusa.decoding.dynamic_tree:Pool", "trees"),
+    ("draft: retrieval", "medusa.decoding.retrieval:Retriever", "chains"),
 ]
 TOP = ["target pass", "target lm_head", "verify", "feature bookkeeping", "draft"]
-NESTED = ["draft: head layer", "draft: head vocabulary", "draft: head inputs", "draft: tree nodes"]
+NESTED = ["draft: head layer", "draft: head vocabulary", "draft: head inputs", "draft: tree nodes", "draft: retrieval"]
 
 
 class Timers:
@@ -99,12 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--heads", default="default", help="feature head directory (default: the shipped one)")
     ap.add_argument("--shapes", default="dynamic-12x3,dynamic-16x5", help="comma-separated dynamic tree shapes")
-    ap.add_argument("--prompts", default="mtbench", help="mtbench, sharegpt or a prompt file")
+    ap.add_argument("--prompts", default="mtbench", help="comma-separated: mtbench, sharegpt, humaneval, heldout or prompt files (--num-prompts of each)")
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--batch-size", type=int, default=1, help="rows decoded together (prompts in groups of it)")
+    ap.add_argument("--retrieval", action="store_true",
+                    help="graft retrieval into every shape, as default flags do (`<shape>+retrieval`)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -112,15 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     rt = Runtime.load("default", heads=args.heads, dtype=args.dtype)
     if rt.feature is None:
         ap.error(f"--heads {args.heads}: no feature head there")
-    prompts = rt.encode(load_prompts(args.prompts, args.num_prompts))
-    methods = {"plain": None, **{s: method_proposer(rt, args.heads, s) for s in args.shapes.split(",") if s}}
-    n_new = args.max_new_tokens
+    prompts = rt.encode([t for source in args.prompts.split(",") for t in load_prompts(source, args.num_prompts)])
+    shapes = [s for s in args.shapes.split(",") if s]
+    methods = {"plain": None, **{s: method_proposer(rt, args.heads, s) for s in shapes}}
+    if args.retrieval:
+        from medusa.decoding.retrieval import MergedProposer
 
-    def decode(prompt, proposer):
-        return run_engine(rt.engine, [prompt], 1, n_new, proposer)
+        methods = {"plain": None, **{f"{s}+retrieval": MergedProposer(methods[s], rt.retriever()) for s in shapes}}
+    n_new, bs = args.max_new_tokens, args.batch_size
+    groups = [prompts[i:i + bs] for i in range(0, len(prompts), bs)]
+
+    def decode(group, proposer):
+        return run_engine(rt.engine, group, bs, n_new, proposer)
 
     for proposer in methods.values():  # warm-up: kernels chosen, buffers allocated
-        decode(prompts[0][:32], proposer)
+        decode([p[:32] for p in groups[0]], proposer)
     timers = Timers(rt.model.device.type == "cuda")
     timers.install(rt.model.lm_head)
     seconds: dict[str, dict[str, float]] = {m: defaultdict(float) for m in methods}
@@ -128,11 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     tokens: Counter = Counter()
     rates: dict[str, list[float]] = {m: [] for m in methods}
     for _ in range(args.repeats):
-        for p in prompts:
+        for group in groups:
             for name, proposer in methods.items():
                 timers.reset()
                 start = time.perf_counter()
-                gen = decode(p, proposer)
+                gen = decode(group, proposer)
                 rates[name].append(gen.stats.new_tokens / (time.perf_counter() - start))
                 for label, s in timers.seconds.items():
                     seconds[name][label] += s
@@ -140,16 +151,18 @@ def main(argv: list[str] | None = None) -> int:
                 tokens[name] += gen.stats.new_tokens
     plain_ms = 1000 * seconds["plain"]["step"] / steps["plain"]
     report = {**provenance(rt.dtype.name, rt.model.device, rt.machine), "threads": torch.get_num_threads(),
-              "prompts": len(prompts), "max_new_tokens": n_new, "repeats": args.repeats,
+              "prompts": len(prompts), "batch_size": bs, "max_new_tokens": n_new, "repeats": args.repeats,
               "plain_step_ms": plain_ms, "methods": {}}
-    print(f"{rt.machine.describe()}, {rt.dtype.name}, bs 1, {len(prompts)} prompts x {n_new} tokens "
+    print(f"{rt.machine.describe()}, {rt.dtype.name}, bs {bs}, {len(prompts)} prompts x {n_new} tokens "
           f"x {args.repeats}; ms per step (x plain step)")
     for name in methods:
         n = steps[name]
         per = {label: 1000 * s / n for label, s in seconds[name].items()}
         rest = per["step"] - sum(per.get(label, 0.0) for label in TOP)
         phases = {**{label: per.get(label, 0.0) for label in TOP + NESTED}, "rest": rest}
-        tau = tokens[name] / n
+        # Tokens per step over plain's (plain makes one per live row): tau at batch size 1, and at any batch
+        # size the factor by which a step must not cost more than a plain one.
+        tau = (tokens[name] / n) / (tokens["plain"] / steps["plain"])
         report["methods"][name] = {
             "tokens_per_s": statistics.median(rates[name]), "steps": n, "tau": tau, "step_ms": per["step"],
             "step_plain_steps": per["step"] / plain_ms,

@@ -91,7 +91,7 @@ def batch_table(rt: Runtime, prompts: list[list[int]], sizes: list[int], max_new
     for b, r in batched_rates(rt, prompts, sizes, max_new_tokens, repeats=1, max_groups=1).items():
         plan, steps = r["auto_plan"], r["auto_steps"]
         chose = f"{plan['tree']} planned" if plan["tree"] else "plain decoding planned"
-        print(f"  bs {b}: plain {r['plain']:6.1f} tok/s, auto {r['auto']:6.1f} tok/s, {r['auto'] / r['plain']:.2f}x; "
+        print(f"  bs {b}: plain {r['plain']:6.1f} tok/s, auto {r['auto']:6.1f} tok/s, {r['speedup']:.2f}x; "
               f"auto: {chose}, {steps['speculative']} speculative and {steps['plain']} plain steps, "
               f"tau {r['auto_tau']:.2f}")
 
