@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -400,11 +401,16 @@ def test_feature_planning_reads_the_curve_and_times_nothing(tmp_path, monkeypatc
     cal = load_or_measure(rt, [1, 2, 4, 8], progress=False)
     drafted = cal.drafts[calibrate.draft_key(rt.feature)]
     assert {b for b, _ in drafted} == {1, 2, 4, 8} and {t for _, t in drafted} == set(calibrate.DRAFT_TOKENS)
+    # The host work of whole draft steps, per batch size, for the proposer auto mode runs (retrieval grafted).
+    hosted = cal.host[calibrate.host_key(rt)]
+    assert calibrate.host_key(rt).endswith("+retrieval") and set(hosted) == {1, 2, 4, 8}
+    assert all(f >= 0 and p >= 0 for f, p in hosted.values())
 
     def no_timing(*a, **k):
         raise AssertionError("planning timed a pass")
 
     monkeypatch.setattr(feature_runner, "draft_pass_ms", no_timing)
+    monkeypatch.setattr(timing, "draft_step_ms", no_timing)
     monkeypatch.setattr(timing, "target_pass_ms", no_timing)
     monkeypatch.setattr(calibrate, "measure_forward", no_timing)
     passes = rt.model.passes
@@ -452,6 +458,26 @@ def test_a_batch_judges_the_realised_share_by_its_row_steps():
     r.add(3.0, 3.0, rows=6)
     r.add(1.0, 3.0, rows=2)
     assert r.scale() == pytest.approx(0.8) and r.overall() == pytest.approx(0.75)
+
+
+def test_a_draft_steps_host_work_is_priced_in_the_feature_plan():
+    """Calibration.drafting: head passes plus the host work measured around them, per expansion; the plan
+    picks a shallower tree, then none, as that work grows."""
+    from medusa.runtime.feature import plan_shape
+
+    acc = [[0.8, 0.1], [0.7, 0.1], [0.6, 0.1], [0.5, 0.1], [0.4, 0.1]]
+    cal = curve(lambda b, t: 1.0 + 0.02 * (t - 1))
+    cal.drafts = {"head": {(1, t): 0.05 for t in calibrate.DRAFT_TOKENS}}
+    assert cal.drafting("head", "head+retrieval", 1, 3, 4) == pytest.approx(0.15 / 10)  # nothing measured: passes only
+    cal.host = {"head+retrieval": {1: (0.5, 1.0)}}
+    assert cal.drafting("head", "head+retrieval", 1, 3, 4) == pytest.approx((0.15 + 0.5 + 2.0) / 10)
+    depth = []
+    for host in [(0.0, 0.0), (0.0, 2.0), (30.0, 30.0)]:  # ms: fixed, per expansion (a plain step: 10 ms)
+        cal.host = {"head+retrieval": {1: host}}
+        p, shape = plan_shape(cal, acc, 1, functools.partial(cal.drafting, "head", "head+retrieval"))
+        depth.append(shape.depth if shape is not None else 0)
+        assert (shape is None) == (p.tree is None)
+    assert depth[0] > depth[1] > 0 == depth[2]
 
 
 def test_plans_shrink_when_the_heads_deliver_less_than_expected():

@@ -11,10 +11,10 @@ from medusa.eval.config import HF, EvalConfig
 from medusa.eval.costmodel import SPECULATIVE, alpha_from_acceptance, crossover, crossover_of, pays, predict
 from medusa.eval.methods import Methods
 from medusa.eval.step_model import planned, predict_runs
-from medusa.runtime.calibrate import draft_key, load_or_measure
+from medusa.runtime.calibrate import draft_key, host_key, load_or_measure
 from medusa.runtime.gate import bucket
 from medusa.runtime.proposers import MERGED
-from medusa.runtime.timing import Latency, measure_forward, measure_heads
+from medusa.runtime.timing import Latency, draft_step_ms, measure_forward, measure_heads
 
 
 def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict], progress: bool) -> dict:
@@ -45,8 +45,8 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
                                                                rt.model.lm_head).items()}
     feature_spec = next((m for m in cfg.methods if m.method == "feature"), None)
     if feature_spec is not None and acc["feature"]:
-        lat["feature_draft"] = feature_drafting(methods.proposer(feature_spec), acc["feature"], cfg.batch_sizes,
-                                                cm.prefix, cm.repeats)
+        lat["feature_draft"] = feature_drafting(rt.engine, methods.proposer(feature_spec), acc["feature"],
+                                                cfg.batch_sizes, cm.prefix, cm.repeats)
     drafting = method_drafting(rt, cfg, methods, lat, cm)
     b0_auto = [r for r in results if r["kind"] == "auto" and r["batch_size"] == min(cfg.batch_sizes)]
     plans = auto_plans(rt, cfg.batch_sizes, b0_auto[0].get("realised") if b0_auto else None) if b0_auto else {}
@@ -60,13 +60,25 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
     return apply_measurements(model, results)
 
 
-def feature_drafting(proposer, acc: dict, batch_sizes: list[int], prefix: int, repeats: int) -> dict:
-    """A feature head's draft cost per batch size: one catch-up pass (the root and the token before it) and
-    one expansion pass over the frontier. Records the tree shape it drafts in `acc`."""
-    shape = proposer.shape
+def feature_drafting(engine, proposer, acc: dict, batch_sizes: list[int], prefix: int, repeats: int) -> dict:
+    """A feature head's draft cost per batch size: one catch-up pass (the root and the token before it), one
+    expansion pass over the frontier, and `host`: what a whole draft step of `proposer` (retrieval grafted in
+    when it grafts) spends beyond its depth's passes, timed in `engine`. Records the tree shape in `acc`."""
+    inner = getattr(proposer, "inner", proposer)  # a merged tree drafts with its inner head
+    shape = inner.shape
     acc.update(nodes=shape.nodes, depth=shape.depth, topk=shape.topk)
-    return {str(b): {"catch_up": draft_pass_ms(proposer.runner, b, 2, prefix, repeats),
-                     "expand": draft_pass_ms(proposer.runner, b, shape.topk, prefix, repeats)} for b in batch_sizes}
+    out = {}
+    for b in batch_sizes:
+        t = {"catch_up": draft_pass_ms(inner.runner, b, 2, prefix, repeats),
+             "expand": draft_pass_ms(inner.runner, b, shape.topk, prefix, repeats)}
+        step = draft_step_ms(engine, proposer, b, prefix)
+        out[str(b)] = {**t, "host": max(step - t["catch_up"] - (shape.depth - 1) * t["expand"], 0.0)}
+    return out
+
+
+def drafting_ms(t: dict, depth: int) -> float:
+    """A feature head's whole draft step from `feature_drafting`'s timings (`host`: 0 where not timed)."""
+    return t["catch_up"] + (depth - 1) * t["expand"] + t.get("host", 0.0)
 
 
 def method_drafting(rt, cfg: EvalConfig, methods: Methods, lat: dict, cm) -> dict[str, dict[int, float]]:
@@ -90,8 +102,8 @@ def method_drafting(rt, cfg: EvalConfig, methods: Methods, lat: dict, cm) -> dic
             first = m is next(x for x in cfg.methods if x.method == "feature")
             # The first feature method's drafting was timed above, for the latency model: not again.
             timed = lat["feature_draft"] if first and lat.get("feature_draft") else \
-                feature_drafting(inner, {}, cfg.batch_sizes, cm.prefix, cm.repeats)
-            out[m.name] = {int(b): t["catch_up"] + (shape.depth - 1) * t["expand"] for b, t in timed.items()}
+                feature_drafting(rt.engine, proposer, {}, cfg.batch_sizes, cm.prefix, cm.repeats)
+            out[m.name] = {int(b): drafting_ms(t, shape.depth) for b, t in timed.items()}
     return out
 
 
@@ -112,8 +124,8 @@ def auto_plans(rt, batch_sizes: list[int], realised: float | None = None) -> dic
             continue
         draft = 0.0  # retrieval alone drafts on the host
         if rt.feature is not None:
-            shape, key = parse_shape(plan.tree.name), draft_key(rt.feature)
-            draft = cal.draft_ms(key, b, 2) + (shape.depth - 1) * cal.draft_ms(key, b, shape.topk)
+            shape = parse_shape(plan.tree.name)
+            draft = cal.drafting(draft_key(rt.feature), host_key(rt), b, shape.depth, shape.topk) * cal.ms(b, 1)
         elif rt.heads is not None:
             draft = cal.heads(b)
         out[b] = {"tokens": plan.tree.size, "tau": plan.tau, "draft": draft}

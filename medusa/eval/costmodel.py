@@ -83,8 +83,9 @@ def medusa_speedup(target: Latency, heads: dict[int, float], batch: int, tree_si
 
 def feature_speedup(target: Latency, drafting: dict, batch: int, shape: dict, tau: float) -> float:
     """A feature head's dynamic tree: a catch-up head pass, depth-1 expansions, then the target verifies
-    nodes+1 tokens. `drafting` = {"catch_up": ms, "expand": ms} timed at `batch` rows."""
-    draft_ms = drafting["catch_up"] + (shape["depth"] - 1) * drafting["expand"]
+    nodes+1 tokens. `drafting` = {"catch_up": ms, "expand": ms, "host": ms} timed at `batch` rows (`host`:
+    the draft step's work beyond its passes; 0 in reports from before it was timed)."""
+    draft_ms = drafting["catch_up"] + (shape["depth"] - 1) * drafting["expand"] + drafting.get("host", 0.0)
     return tau * target(batch, 1) / (target(batch, shape["nodes"] + 1) + draft_ms)
 
 
@@ -110,7 +111,7 @@ def predict(model: dict, batch_sizes: list[int]) -> dict:
     model["latency_ms"] = {"target": Latency dict, "draft": Latency dict?, "heads": {B: ms}?}
     model["acceptance"] = {"medusa": {tree: {"tau", "tree_size"}}, "draft": {"k", "tau", "alpha"},
                            "feature": {"tau", "nodes", "depth"}?}
-    model["latency_ms"]["feature_draft"] = {B: {"catch_up", "expand"}}? (a feature head's draft passes)
+    model["latency_ms"]["feature_draft"] = {B: {"catch_up", "expand", "host"}}? (a feature head's draft step)
     Adds "predicted", "analytic", "recommendation", "best_tree", "best_k" and "crossover".
     """
     lat = model["latency_ms"]

@@ -16,7 +16,7 @@ report.json
     kinds: {kind: prompts} of the prompt set (held-out kinds, MT-bench categories, a file's kind field, the
         source's name); report.md then has a table of tau by kind
     cost_model: latency_ms {target, draft: {grid [[B, T, ms]], fit {a_ms, b_ms_per_row, c_ms_per_token,
-        max_rel_error}}, heads {B: ms}, feature_draft {B: {catch_up, expand}}}, acceptance,
+        max_rel_error}}, heads {B: ms}, feature_draft {B: {catch_up, expand, host}}}, acceptance,
         predicted {B: {plain, medusa, feature, draft, ...}}, analytic {B: {c, speedup}},
         predicted_by_method {B: {method: speedup}} (medusa.eval.step_model), crossover_by_method
         {method: B|null}, fastest {B: {measured, measured_speedup, predicted, predicted_speedup}} (every

@@ -30,7 +30,7 @@ import torch
 from medusa.io import write_text_atomic
 from medusa.runtime.timing import measure_forward, measure_heads
 
-VERSION = 3  # bump when what is measured changes, so old files are not read as new ones
+VERSION = 4  # bump when what is measured changes, so old files are not read as new ones
 TOKENS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64]
 BATCH_SIZES = [1, 2, 4, 8, 16]
 # A batch size's sweep stops once a pass costs this many one-token passes: heads of depth <= 5 accept at
@@ -42,6 +42,9 @@ HEADS_TOPK = 10
 # A feature head's draft passes the planner prices: the catch-up pass (2 entries per row) and one expansion
 # of every top-k a candidate shape uses (`feature_proposer.shape_candidates`: min(8, nodes)).
 DRAFT_TOKENS = [1, 2, 3, 4, 6, 8]
+# Two shapes whose whole draft steps are timed per batch size (`timing.draft_step_ms`): what they cost beyond
+# their head passes is the host work of a draft step, split into a fixed part and a part per expansion.
+HOST_SHAPES = [(4, 2, 4), (8, 4, 4)]  # (nodes, depth, topk)
 BUSIER = 0.6  # a cached one-token pass more than 1/BUSIER (~1.7x) as slow as one timed now: measure again
 _trusted: set[Path] = set()  # cached curves already checked by this process
 
@@ -58,6 +61,9 @@ class Calibration:
     # draft-vocabulary softmax and top-k), per feature-head architecture (`draft_key`), measured beside the
     # target's curve so a plan never times anything.
     drafts: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
+    # host[proposer][B] = (fixed, per expansion) ms a feature head's draft step spends beyond its passes at B
+    # rows (`host_key`: the head's architecture, with retrieval grafted in or not), from whole draft steps.
+    host: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
 
     def batch_sizes(self) -> list[int]:
         return sorted({b for b, _ in self.grid})
@@ -120,23 +126,47 @@ class Calibration:
         """A draft pass as a multiple of a one-token target pass at `b` rows (both from this curve)."""
         return self.draft_ms(head, b, t) / self.ms(b, 1)
 
+    def host_ms(self, key: str, b: int, depth: int) -> float:
+        """The host work of a draft step `depth` deep at `b` rows beyond its head passes (0 where none was
+        measured), linear in B between measured batch sizes."""
+        from medusa.runtime.timing import heads_ms
+
+        measured = self.host.get(key) or {}
+        fixed = heads_ms({bb: f for bb, (f, _) in measured.items()}, b)
+        per = heads_ms({bb: p for bb, (_, p) in measured.items()}, b)
+        return fixed + per * (depth - 1)
+
+    def drafting(self, head: str, host: str, b: int, depth: int, topk: int) -> float:
+        """A whole draft step in one-token target passes at `b` rows: the catch-up pass (2 entries per row),
+        depth - 1 expansions over the top-k frontier, and the host work around them."""
+        passes = self.draft_ms(head, b, 2) + (depth - 1) * self.draft_ms(head, b, topk)
+        return (passes + self.host_ms(host, b, depth)) / self.ms(b, 1)
+
     def to_dict(self) -> dict:
         return {"version": VERSION, "key": self.key,
                 "grid": [[b, t, ms] for (b, t), ms in sorted(self.grid.items())],
                 "heads_ms": {str(b): ms for b, ms in sorted(self.heads_ms.items())},
-                "drafts": {k: [[b, t, ms] for (b, t), ms in sorted(g.items())] for k, g in self.drafts.items()}}
+                "drafts": {k: [[b, t, ms] for (b, t), ms in sorted(g.items())] for k, g in self.drafts.items()},
+                "host": {k: [[b, f, p] for b, (f, p) in sorted(g.items())] for k, g in self.host.items()}}
 
     @classmethod
     def from_dict(cls, d: dict, path: Path | None = None) -> "Calibration":
         drafts = {k: {(int(b), int(t)): float(ms) for b, t, ms in g} for k, g in d.get("drafts", {}).items()}
+        host = {k: {int(b): (float(f), float(p)) for b, f, p in g} for k, g in d.get("host", {}).items()}
         return cls(d["key"], {(int(b), int(t)): float(ms) for b, t, ms in d["grid"]},
-                   {int(b): float(ms) for b, ms in d.get("heads_ms", {}).items()}, path, drafts)
+                   {int(b): float(ms) for b, ms in d.get("heads_ms", {}).items()}, path, drafts, host)
 
 
 def draft_key(head) -> str:
     """What a feature-head pass's cost depends on: its architecture, not its weights."""
     c = head.config
     return json.dumps([c.style, c.hidden_size, c.draft_vocab, c.feature_dim, c.own_lm_head])
+
+
+def host_key(rt) -> str:
+    """What a feature-head draft step's host work depends on: the head's architecture and whether retrieval
+    is grafted into its trees (auto mode grafts it unless `--retrieval off`)."""
+    return draft_key(rt.feature) + ("+retrieval" if rt.retrieval else "")
 
 
 def calibration_key(rt) -> dict:
@@ -192,7 +222,9 @@ def load_or_measure(rt, batch_sizes: list[int] | None = None, tokens: list[int] 
         todo = {b: ts for b, ts in todo.items() if ts}
     heads_todo = [b for b in wanted if rt.heads is not None and b not in cal.heads_ms]
     drafted = cal.drafts.get(draft_key(rt.feature), {}) if rt.feature is not None else {}
-    drafts_todo = [b for b in wanted if rt.feature is not None and (b, DRAFT_TOKENS[0]) not in drafted]
+    hosted = cal.host.get(host_key(rt), {}) if rt.feature is not None else {}
+    drafts_todo = [b for b in wanted if rt.feature is not None and ((b, DRAFT_TOKENS[0]) not in drafted
+                                                                    or b not in hosted)]
     if not todo and not heads_todo and not drafts_todo:
         return cal
     _measure(rt, cal, todo, heads_todo, drafts_todo, stop=tokens is None, progress=progress)
@@ -226,7 +258,8 @@ def _measure(rt, cal: Calibration, todo: dict[int, list[int]], heads_todo: list[
              stop: bool, progress: bool) -> None:
     from tqdm import tqdm
 
-    total = sum(len(ts) for ts in todo.values()) + len(heads_todo) + len(drafts_todo) * len(DRAFT_TOKENS)
+    total = (sum(len(ts) for ts in todo.values()) + len(heads_todo)
+             + len(drafts_todo) * (len(DRAFT_TOKENS) + len(HOST_SHAPES)))
     with tqdm(total=total, desc="calibrating pass cost", unit="pass", file=sys.stderr,
               disable=not progress) as bar:
         for b, ts in todo.items():
@@ -244,10 +277,30 @@ def _measure(rt, cal: Calibration, todo: dict[int, list[int]], heads_todo: list[
             from medusa.runtime.feature import runner_for
 
             runner, grid = runner_for(rt), cal.drafts.setdefault(draft_key(rt.feature), {})
+            host = cal.host.setdefault(host_key(rt), {})
             for b in drafts_todo:
                 for t in DRAFT_TOKENS:
                     grid[(b, t)] = draft_pass_ms(runner, b, t, PREFIX, REPEATS)
                     bar.update(1)
+                host[b] = _host_work(rt, b, grid, bar)
+
+
+def _host_work(rt, b: int, grid: dict[tuple[int, int], float], bar) -> tuple[float, float]:
+    """(fixed, per expansion) ms of a feature-head draft step's host work at `b` rows: each HOST_SHAPES
+    shape's whole draft step, timed in the engine, less its head passes (`grid`), fitted over the two depths
+    (both parts kept >= 0)."""
+    from medusa.decoding.dynamic_tree import TreeShape
+    from medusa.runtime.feature import draft_proposer
+    from medusa.runtime.timing import draft_step_ms
+
+    extra = []
+    for nodes, depth, topk in HOST_SHAPES:
+        step = draft_step_ms(rt.engine, draft_proposer(rt, TreeShape(nodes, depth, topk)), b, PREFIX)
+        extra.append((depth, max(step - grid[(b, 2)] - (depth - 1) * grid[(b, topk)], 0.0)))
+        bar.update(1)
+    (d0, e0), (d1, e1) = extra
+    per = max((e1 - e0) / (d1 - d0), 0.0)
+    return max(e0 - per * (d0 - 1), 0.0), per
 
 
 def _monotone(cal: Calibration, b: int) -> None:

@@ -150,7 +150,7 @@ class _FeatureAuto:
     """AutoSpeculation's plans for a feature head: one planned dynamic tree per batch size."""
 
     def __init__(self, rt: "Runtime", progress: bool, batch_size: int):
-        from medusa.runtime.calibrate import draft_key, load_or_measure
+        from medusa.runtime.calibrate import draft_key, host_key, load_or_measure
         from medusa.runtime.gate import bucket
 
         self.rt = rt
@@ -160,7 +160,7 @@ class _FeatureAuto:
         self.cal = load_or_measure(rt, [1 << i for i in range(bucket(batch_size).bit_length())], progress=progress)
         self.accuracy = read_accuracy(rt.feature)
         self.shapes: dict[str, TreeShape] = {}
-        self._draft_ratio = functools.partial(self.cal.draft_ratio, draft_key(rt.feature))
+        self._drafting = functools.partial(self.cal.drafting, draft_key(rt.feature), host_key(rt))
 
     @functools.lru_cache(maxsize=None)  # noqa: B019 (one planner per runtime; plans are pure per batch size)
     def plan(self, rows: int, realised: float = 1.0):
@@ -170,7 +170,7 @@ class _FeatureAuto:
             self.shapes[tree.name] = shape
             return Plan(rows, tree, 0.0, 0.0, "feature head without eval.json: default dynamic tree, checked "
                                               "by measurement")
-        plan, shape = plan_shape(self.cal, self.accuracy, rows, self._draft_ratio, realised=realised)
+        plan, shape = plan_shape(self.cal, self.accuracy, rows, self._drafting, realised=realised)
         if shape is not None:
             self.shapes[plan.tree.name] = shape
         return plan
@@ -189,8 +189,14 @@ class _FeatureAuto:
         """The planned tree's proposer: the feature head's, with retrieval grafted in unless turned off. A
         tree this planner did not plan is read by its name (`dynamic-NxDxK`)."""
         shape = DEFAULT_SHAPE if tree is None else self.shapes.get(tree.name) or parse_shape(tree.name)
-        heads = FeatureProposer(self.rt.feature, self.rt.model, shape, runner=self.runner)
-        return MergedProposer(heads, self.rt.retriever()) if self.rt.retrieval else heads
+        return draft_proposer(self.rt, shape)
+
+
+def draft_proposer(rt: "Runtime", shape: TreeShape):
+    """Auto mode's proposer for a planned shape: the feature head's, with retrieval grafted in unless turned
+    off (also what calibration times a whole draft step of)."""
+    heads = FeatureProposer(rt.feature, rt.model, shape, runner=runner_for(rt))
+    return MergedProposer(heads, rt.retriever()) if rt.retrieval else heads
 
 
 def feature_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "AutoSpeculation":
@@ -202,22 +208,22 @@ def feature_auto(rt: "Runtime", batch_size: int, progress: bool = True) -> "Auto
     return AutoSpeculation(planner.plan, planner.make, 65, attach=planner.attach, plain_scale=planner.cal.plain_scale)
 
 
-def plan_shape(cal, accuracy: list[list[float]], batch: int, draft_ratio, shapes: list[TreeShape] | None = None,
+def plan_shape(cal, accuracy: list[list[float]], batch: int, drafting, shapes: list[TreeShape] | None = None,
                realised: float = 1.0):
     """The dynamic tree with the best predicted speedup at `batch` rows, or None (plain decoding):
-    speedup = tau'(shape) / (ratio(B, N + 1) + catch-up + (D - 1) expansions), in one-token passes, with
+    speedup = tau'(shape) / (ratio(B, N + 1) + drafting(B, D, K)), in one-token passes, with
     tau' = 1 + realised * (tau - 1) (`medusa.runtime.auto.Realised`; the plan keeps the heads' own tau).
 
-    `draft_ratio(rows, tokens)` is one head pass's cost in one-token target passes; `cal` the calibrated
-    target pass-cost curve."""
+    `drafting(rows, depth, topk)` is a whole draft step's cost in one-token target passes (the catch-up
+    pass, D - 1 expansions and their host work: `Calibration.drafting`); `cal` the calibrated target
+    pass-cost curve."""
     best = None
-    # Many shapes share a node count or a top-k: each cost is read off the curve once per plan.
-    drafts = functools.lru_cache(maxsize=None)(lambda tokens: draft_ratio(batch, tokens))
+    # Many shapes share a node count or a depth and top-k: each cost is read off the curve once per plan.
+    drafts = functools.lru_cache(maxsize=None)(lambda depth, topk: drafting(batch, depth, topk))
     passes = functools.lru_cache(maxsize=None)(lambda tokens: cal.ratio(batch, tokens))
     for shape in shapes or shape_candidates():
         tau = expected_tau_dynamic(shape, accuracy)
-        drafting = drafts(2) + (shape.depth - 1) * drafts(shape.topk)
-        cost = passes(shape.nodes + 1) + drafting
+        cost = passes(shape.nodes + 1) + drafts(shape.depth, shape.topk)
         speedup = weighed(tau, realised) / cost
         if best is None or speedup > best[0]:
             best = (speedup, shape, tau, cost)

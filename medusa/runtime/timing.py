@@ -8,6 +8,7 @@ server's policy read them.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -143,6 +144,39 @@ def target_pass_ms(model, rows: int, tokens: int = 1, prefix: int = 256, repeats
     `prefix`-token cache, timed now: what a live measurement of something else is compared against."""
     cache = model.new_cache(rows, prefix + tokens)
     return _fastest_ms(_forward_pass(model, model.lm_head, cache, rows, tokens, prefix), repeats, model.device)
+
+
+@torch.inference_mode()
+def draft_step_ms(engine, proposer, rows: int, prefix: int = 256, steps: int = 6) -> float:
+    """Median ms of `proposer`'s whole draft phase (its passes and all the host work around them: inputs,
+    expansion, the choice of nodes, grafting) over the engine steps of `rows` rows decoding 2 * `steps` tokens
+    after a `prefix`-token prompt of random tokens. The first step (the proposer's set-up, catching up on the whole
+    prompt) is left out. A median, not the fastest: host work varies from step to step and the planner needs
+    what a typical step spends."""
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, engine.model.config.vocab_size, (rows, prefix), generator=g).tolist()
+    times: list[float] = []
+    draft = proposer.draft
+    device = engine.model.device
+
+    def timed(batch):
+        out = None
+
+        def once():
+            nonlocal out
+            out = draft(batch)
+
+        times.append(_time_ms(once, device))
+        return out
+
+    proposer.draft = timed  # this proposer only (an instance attribute), undone below
+    try:
+        engine.generate(prompts, 2 * steps, proposer)
+    finally:
+        del proposer.draft
+    if len(times) < 2:
+        raise MedusaError(f"timing a draft step: the generation ran {len(times)} step(s), too few to time")
+    return statistics.median(times[1:])
 
 
 @torch.inference_mode()
