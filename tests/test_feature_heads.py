@@ -642,6 +642,15 @@ def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, 
     assert m.name == "feature:dynamic-6x3"
     proposer = Methods(bare, cfg).proposer(m)
     assert isinstance(proposer, FeatureProposer) and proposer.shape == TreeShape(6, 3, 6)
+    # Its cost in the evaluator's model: the head's passes and a whole draft step's host work, timed in the engine.
+    from medusa.eval.cost_inputs import drafting_ms, feature_drafting
+
+    acc: dict = {}
+    timed = feature_drafting(bare.engine, proposer, acc, [1, 2], 16, 1)
+    assert acc == {"nodes": 6, "depth": 3, "topk": 6} and set(timed) == {"1", "2"}
+    for t in timed.values():
+        assert t["catch_up"] > 0 and t["expand"] > 0 and t["host"] >= 0
+        assert drafting_ms(t, 3) == pytest.approx(t["catch_up"] + 2 * t["expand"] + t["host"])
 
 
 def test_fused_layer_features_are_the_targets_hidden_states():
