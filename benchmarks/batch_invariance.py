@@ -6,9 +6,9 @@ decoding alone, with batch-invariant attention on and off; and what invariance c
 
 Split over processes (one thread each), the proposers divided between them and plain decoding done once:
 
-    python benchmarks/batch_invariance.py --invariance on --threads 1 --specs plain,medusa:tree-8,lookup \
+    python benchmarks/batch_invariance.py --invariance on --threads 1 --specs plain,heads:tree-8,lookup \
         --reference runs/reference.json --json A.json &
-    python benchmarks/batch_invariance.py --invariance on --threads 1 --specs medusa:dynamic-16x5,draft \
+    python benchmarks/batch_invariance.py --invariance on --threads 1 --specs heads:dynamic-16x5,draft \
         --reference runs/reference.json --wait-reference --json B.json
 
 Prompts: `benchmarks/prompts/mixed.jsonl` (translation, summarisation, reading comprehension, math, code,
@@ -85,7 +85,7 @@ def compare(rt, prompts, reference, specs, sizes, joining, new: int, out: dict, 
     leave; `save()` after every case."""
     for spec in specs:
         mode, _, tree = spec.partition(":")
-        tree = tree or ("dynamic-16x5" if mode == "medusa" else None)
+        tree = tree or ("dynamic-16x5" if mode == "heads" else None)
         cases = [(size, False) for size in sizes if not (mode == "plain" and size == 1)]
         for size, joins in cases + [(size, True) for size in joining]:
             if joins:
@@ -160,10 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-prompts", type=int, default=50)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--specs", default="plain,medusa:tree-8,medusa:dynamic-16x5,lookup,draft",
+    ap.add_argument("--specs", default="plain,heads:tree-8,heads:dynamic-16x5,lookup,draft",
                     help="mode names of `medusa generate --mode`, comma-separated, each with :TREE where it takes "
-                    "one (medusa:tree-8: the shipped Medusa heads' static tree; medusa:dynamic-16x5: the shipped "
-                    "feature head's dynamic tree, also what a bare `medusa` means)")
+                    "one (heads:tree-8: the shipped Medusa heads' static tree; heads:dynamic-16x5: the shipped "
+                    "feature head's dynamic tree, also what a bare `heads` means)")
     ap.add_argument("--invariance", choices=("both", "on", "off"), default="both",
                     help="the settings compared (both: on, then off)")
     ap.add_argument("--batch-sizes", default="1,2,4,8", help="fixed consecutive batches ('': none)")

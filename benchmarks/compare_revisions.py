@@ -39,8 +39,10 @@ def bench(where: Path, args: list[str], out: Path) -> tuple[dict[str, float], di
         speeds.update({f"bs{b} plain": row["plain"], f"bs{b} auto": row["auto"],
                        f"bs{b} auto/plain": row.get("speedup", row["auto"] / row["plain"])})
         taus[f"bs{b} auto"] = row["auto_tau"]
-    # A base from before retrieval was named retrieval reports its methods as suffix:N: read as today's name.
-    renamed = lambda d: {k.replace("suffix", "retrieval"): v for k, v in d.items()}  # noqa: E731
+    # A base from before today's names reports its methods as suffix:N (retrieval) and medusa:TREE (the
+    # heads' mode): read as today's names.
+    renamed = lambda d: {k.replace("suffix", "retrieval").replace("medusa:", "heads:"): v  # noqa: E731
+                         for k, v in d.items()}
     return renamed(speeds), renamed(taus), report["machine"]
 
 

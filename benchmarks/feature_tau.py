@@ -59,11 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_plain:
         methods["plain"] = None
     if args.medusa and rt.heads is not None:
-        methods["medusa:tree-8"] = rt.proposer("medusa", "tree-8")
+        methods["heads:tree-8"] = rt.proposer("heads", "tree-8")
     for spec in args.heads:
         head = FeatureHead.load(spec, rt.hf_model)
         for shape in args.shapes.split(","):
-            if shape == "planned":  # what --mode medusa picks at batch size 1 from the calibrated curve
+            if shape == "planned":  # what --mode heads picks at batch size 1 from the calibrated curve
                 from dataclasses import replace
 
                 from medusa.runtime.feature import feature_proposer

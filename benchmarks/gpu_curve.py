@@ -113,7 +113,7 @@ def acceptance(path: Path) -> dict:
         acc = report["cost_model"]["acceptance"]
     except (OSError, ValueError, KeyError) as exc:
         raise SystemExit(f"gpu_curve: --eval-json {path}: no evaluator acceptance there ({exc})") from None
-    medusa = {name: {"tau": t["tau"], "tree_size": t["tree_size"]} for name, t in (acc.get("medusa") or {}).items()}
+    medusa = {name: {"tau": t["tau"], "tree_size": t["tree_size"]} for name, t in (acc.get("heads") or acc.get("medusa") or {}).items()}
     draft = acc.get("draft")
     if not medusa or not draft:
         raise SystemExit(f"gpu_curve: --eval-json {path}: needs Medusa and draft acceptance")
@@ -210,7 +210,7 @@ def predictions(m: dict, acc: dict, shape, feature_tau: float) -> dict:
 
     model = {"latency_ms": {"target": Latency(m["grid"]).to_dict(), "draft": Latency(m["draft_grid"]).to_dict(),
                             "heads": {str(b): ms for b, ms in m["heads_ms"].items()}},
-             "acceptance": {"medusa": acc["medusa"], "draft": acc["draft"]}}
+             "acceptance": {"heads": acc["medusa"], "draft": acc["draft"]}}
     predict(model, m["batch_sizes"])
     target = Latency(m["grid"])
     feature = {(b, t): ms for b, t, ms in m["feature_grid"]}
@@ -218,7 +218,7 @@ def predictions(m: dict, acc: dict, shape, feature_tau: float) -> dict:
     for b in m["batch_sizes"]:
         row = model["predicted"][str(b)]
         drafting = feature[(b, 2)] + (shape.depth - 1) * feature[(b, shape.topk)]
-        table[b] = {"medusa": row["medusa"], "medusa_tree": row["medusa_tree"], "draft": row["draft"],
+        table[b] = {"medusa": row["heads"], "medusa_tree": row["heads_tree"], "draft": row["draft"],
                     "feature": feature_tau * target(b, 1) / (target(b, shape.nodes + 1) + drafting),
                     "pass_ms": target(b, 1)}
     return {"speedup": {str(b): r for b, r in table.items()},

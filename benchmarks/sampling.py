@@ -35,7 +35,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     rt = Runtime.load()
     prompts = rt.encode(load_prompts("mtbench", args.num_prompts))
-    medusa = rt.proposer("medusa")
+    medusa = rt.proposer("heads")
     draft = DraftProposer(load_draft("default", rt.hf_model), 3)
     methods = {"plain": (None, "rejection"), "medusa/rejection": (medusa, "rejection"),
                "medusa/typical": (medusa, "typical"), "draft/rejection": (draft, "rejection"),

@@ -36,7 +36,7 @@ from server_process import ServerProcess, counter
 from medusa.decoding.hardware import provenance
 from medusa.io import write_json_atomic
 
-POLICIES = {"on": "medusa", "off": "plain", "dynamic": "dynamic"}
+POLICIES = {"on": "heads", "off": "plain", "dynamic": "dynamic"}
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -36,14 +36,14 @@ PHASES = [
     ("verify", "medusa.decoding.verifier:Verifier", "verify"),
     ("feature bookkeeping", "medusa.decoding.feature_runner:FeatureState", "committed"),
     ("draft", "medusa.decoding.engine:Engine", "draft"),
-    ("draft: head layer", "medusa.decoding.feature_runner:HeadRunner", "forward"),
-    ("draft: head vocabulary", "medusa.decoding.feature_runner:HeadRunner", "logits"),
-    ("draft: head inputs", "medusa.decoding.feature_runner:HeadRunner", "inputs"),
-    ("draft: tree nodes", "medusa.decoding.dynamic_tree:Pool", "trees"),
-    ("draft: retrieval", "medusa.decoding.retrieval:Retriever", "chains"),
+    ("draft/head layer", "medusa.decoding.feature_runner:HeadRunner", "forward"),
+    ("draft/head vocabulary", "medusa.decoding.feature_runner:HeadRunner", "logits"),
+    ("draft/head inputs", "medusa.decoding.feature_runner:HeadRunner", "inputs"),
+    ("draft/tree nodes", "medusa.decoding.dynamic_tree:Pool", "trees"),
+    ("draft/retrieval", "medusa.decoding.retrieval:Retriever", "chains"),
 ]
 TOP = ["target pass", "target lm_head", "verify", "feature bookkeeping", "draft"]
-NESTED = ["draft: head layer", "draft: head vocabulary", "draft: head inputs", "draft: tree nodes", "draft: retrieval"]
+NESTED = ["draft/head layer", "draft/head vocabulary", "draft/head inputs", "draft/tree nodes", "draft/retrieval"]
 
 
 class Timers:

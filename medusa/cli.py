@@ -47,16 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(g)
     g.add_argument("--mode", default="auto", metavar="MODE",
                    help="auto (default): speculate where this machine's calibrated pass costs and the heads' "
-                        "accuracy predict a gain, and while measured steps confirm it; medusa: the heads always; "
+                        "accuracy predict a gain, and while measured steps confirm it; heads: the heads always; "
                         "retrieval: drafts from the text itself (prompt and output so far) always, no heads needed; "
-                        "medusa+retrieval: both in one tree; plain: never; also feature[:DIR], draft[:PATH], "
+                        "heads+retrieval: both in one tree; plain: never; also feature[:DIR], draft[:PATH], "
                         f"lookup[:K] (all: {SPECS})")
     g.add_argument("--retrieval", default="on", choices=["on", "off"],
                    help="auto mode drafts from the text itself too (merged into feature heads' trees, or alone "
                         "without heads); off: heads alone")
     g.add_argument("--datastore", default=None, help="retrieval also drafts from this corpus (`medusa datastore "
                    "build`)")
-    g.add_argument("--tree", default=None, help="with --mode medusa: tree file or name (tree-8/16/32/64), or a "
+    g.add_argument("--tree", default=None, help="with --mode heads: tree file or name (tree-8/16/32/64), or a "
                    "per-row dynamic tree dynamic-N[xD[xK]] (N nodes, D draft steps, top-K; feature heads take only these)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     add_sampling_args(g)
@@ -86,7 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise MedusaError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     mode = None if args.mode == "auto" else ProposerSpec.parse(args.mode)
     if args.tree is not None and (mode is None or mode.kind not in MERGEABLE):
-        raise MedusaError("--tree chooses the tree of --mode medusa or feature (also with +retrieval); --mode auto "
+        raise MedusaError("--tree chooses the tree of --mode heads or feature (also with +retrieval); --mode auto "
                           "picks its own")
     sampling = sampling_from_args(args)
     own_heads = mode is None or mode.kind in MERGEABLE  # the others draft without the runtime's heads

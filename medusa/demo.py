@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="medusa-demo", description=__doc__)
     p.add_argument("--prompt", action="append", help="prompt (repeatable); two built-in ones by default")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--mode", default="auto", choices=["auto", "medusa"],
-                   help="auto (default): what this machine's calibration recommends; medusa: always speculate")
-    p.add_argument("--tree", default=None, help="with --mode medusa: the tree")
+    p.add_argument("--mode", default="auto", choices=["auto", "heads"],
+                   help="auto (default): what this machine's calibration recommends; heads: always speculate")
+    p.add_argument("--tree", default=None, help="with --mode heads: the tree")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,bf16,fp32}")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8], metavar="1,2,4,8",
                    help="then time plain decoding against auto mode at these batch sizes and say what auto "
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"machine: {rt.machine.describe()}")
         print(f"dtype:   {rt.dtype.name} ({rt.dtype.reason})")
         auto = rt.auto(len(prompts)) if args.mode == "auto" else None
-        proposer = rt.proposer("medusa", args.tree) if args.mode == "medusa" else None
+        proposer = rt.proposer("heads", args.tree) if args.mode == "heads" else None
         if auto is not None:
             print(describe_auto(rt, auto, len(prompts)).removeprefix("medusa: "))
         # Warm-up, both sides alike: first calls pack the head's weights and pick kernels for each pass shape
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     except MedusaError as exc:
         print(f"demo: error: {exc}", file=sys.stderr)
         return 2
-    label = "auto" if auto is not None else "medusa"
+    label = "auto" if auto is not None else "heads"
     for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs)):
         print(f"\n=== prompt {i + 1}: {texts[i]}")
         side_by_side(rt.decode(a.tokens), rt.decode(b.tokens), label)

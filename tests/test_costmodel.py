@@ -64,7 +64,7 @@ def synthetic_model():
     return {"latency_ms": {"target": Latency([(b, t, target(b, t)) for b in sizes for t in tokens]).to_dict(),
                            "draft": Latency([(b, t, draft(b, t)) for b in sizes for t in (1, 2, 4)]).to_dict(),
                            "heads": {str(b): 0.5 + 0.05 * b for b in sizes}},
-            "acceptance": {"medusa": {"tree-16": {"tau": 2.6, "tree_size": 17},
+            "acceptance": {"heads": {"tree-16": {"tau": 2.6, "tree_size": 17},
                                       "tree-8": {"tau": 2.3, "tree_size": 9}},
                            "draft": {"k": 4, "tau": 2.4, "alpha": alpha_from_acceptance([0.6, 0.5, 0.45, 0.4])}}}, sizes
 
@@ -76,17 +76,17 @@ def test_predictions_and_crossover():
         row = out["predicted"][str(b)]
         t1 = 40.0 + 0.1 * b + 0.6 * b
         t17 = 40.0 + 0.1 * b + 0.6 * b * 17
-        by_tree = row["medusa_by_tree"]
+        by_tree = row["heads_by_tree"]
         assert by_tree["tree-16"] == pytest.approx(2.6 * t1 / (t17 + 0.5 + 0.05 * b))
-        assert row["medusa"] == max(by_tree.values()) and out["best_tree"][str(b)] == row["medusa_tree"]
+        assert row["heads"] == max(by_tree.values()) and out["best_tree"][str(b)] == row["heads_tree"]
         rec = out["recommendation"][str(b)]
-        best = max(row.get("medusa", 0), row.get("draft", 0))
+        best = max(row.get("heads", 0), row.get("draft", 0))
         assert (rec == "plain") == (best <= 1.0)
-    assert out["recommendation"]["1"] == "medusa" and out["recommendation"]["64"] == "plain"
-    cross = out["crossover"]["medusa"]
-    assert cross is not None and out["predicted"][str(cross)]["medusa"] <= 1.0
+    assert out["recommendation"]["1"] == "heads" and out["recommendation"]["64"] == "plain"
+    cross = out["crossover"]["heads"]
+    assert cross is not None and out["predicted"][str(cross)]["heads"] <= 1.0
     before = [b for b in sizes if b < cross]
-    assert all(out["predicted"][str(b)]["medusa"] > 1.0 for b in before)
+    assert all(out["predicted"][str(b)]["heads"] > 1.0 for b in before)
     # The smaller tree wins once verification costs real compute.
     assert out["best_tree"]["1"] == "tree-16" and out["best_tree"][str(sizes[-1])] == "tree-8"
 
@@ -106,7 +106,7 @@ def test_feature_head_prediction_and_crossover():
     cross = out["crossover"]["feature"]
     assert cross is not None and out["predicted"][str(cross)]["feature"] <= 1.0
     assert all(out["predicted"][str(b)]["feature"] > 1.0 for b in sizes if b < cross)
-    assert set(out["recommendation"].values()) <= {"medusa", "draft", "plain"}
+    assert set(out["recommendation"].values()) <= {"heads", "draft", "plain"}
     del model["latency_ms"]["feature_draft"]
     assert "feature" not in predict(model, sizes)["predicted"]["1"]
 
@@ -142,7 +142,7 @@ def test_cli_reads_a_cost_model(tmp_path, capsys):
     assert main(["crossover", "--cost-model", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [r["batch_size"] for r in data["rows"]] == sizes
-    assert data["rows"][0]["regime"] == "medusa" and data["rows"][-1]["regime"] == "plain"
+    assert data["rows"][0]["regime"] == "heads" and data["rows"][-1]["regime"] == "plain"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -170,27 +170,27 @@ def test_latency_fit_keeps_coefficients_non_negative():
 def test_measured_speedups_decide_where_they_exist():
     from medusa.eval.cost_inputs import apply_measurements
 
-    model = {"recommendation": {"1": "plain", "2": "plain", "64": "medusa"}, "best_tree": {"1": "tree-16"}}
+    model = {"recommendation": {"1": "plain", "2": "plain", "64": "heads"}, "best_tree": {"1": "tree-16"}}
     results = [
         {"method": "plain", "kind": "plain", "batch_size": 1, "speedup_vs_plain": 1.0},
-        {"method": "medusa:tree-8", "kind": "medusa", "batch_size": 1, "speedup_vs_plain": 1.19, "tree": "tree-8"},
+        {"method": "heads:tree-8", "kind": "heads", "batch_size": 1, "speedup_vs_plain": 1.19, "tree": "tree-8"},
         {"method": "draft", "kind": "draft", "batch_size": 1, "speedup_vs_plain": 0.87},
-        {"method": "medusa:tree-8", "kind": "medusa", "batch_size": 2, "speedup_vs_plain": 0.96, "tree": "tree-8"},
+        {"method": "heads:tree-8", "kind": "heads", "batch_size": 2, "speedup_vs_plain": 0.96, "tree": "tree-8"},
         {"method": "hf", "kind": "hf", "batch_size": 2, "speedup_vs_plain": 1.5},  # an anchor, not a mode
     ]
     out = apply_measurements(model, results)
-    assert out["recommendation"] == {"1": "medusa", "2": "plain", "64": "medusa"}
+    assert out["recommendation"] == {"1": "heads", "2": "plain", "64": "heads"}
     assert out["best_tree"]["1"] == "tree-8"
     assert out["recommendation_source"] == {"1": "measured", "2": "measured", "64": "predicted"}
-    assert out["predicted_recommendation"] == {"1": "plain", "2": "plain", "64": "medusa"}
-    assert out["fastest"]["1"]["measured"] == "medusa:tree-8" and out["fastest"]["2"]["measured"] == "plain"
+    assert out["predicted_recommendation"] == {"1": "plain", "2": "plain", "64": "heads"}
+    assert out["fastest"]["1"]["measured"] == "heads:tree-8" and out["fastest"]["2"]["measured"] == "plain"
 
 
 def test_the_recommendation_weighs_every_method_the_engine_ran():
     from medusa.eval.cost_inputs import apply_measurements
 
     # Lookup and the feature head are neither Medusa nor a draft, yet they can be the fastest: the fastest
-    # method is named, and the server's mode for it is its own proposer ("medusa").
+    # method is named, and the server's mode for it is its own proposer ("heads").
     model = {"recommendation": {"1": "plain", "4": "plain"}, "best_tree": {},
              "predicted_by_method": {"1": {"lookup": 1.3, "feature:planned": 1.5}, "4": {"lookup": 0.9}}}
     results = [
@@ -206,8 +206,8 @@ def test_the_recommendation_weighs_every_method_the_engine_ran():
     assert out["fastest"]["1"] == {"measured": "feature:planned", "measured_speedup": 1.4,
                                    "predicted": "feature:planned", "predicted_speedup": 1.5}
     assert out["fastest"]["4"]["measured"] == "draft" and out["fastest"]["4"]["predicted"] == "plain"
-    assert out["recommendation"] == {"1": "medusa", "4": "draft"}
-    assert out["predicted_recommendation"] == {"1": "medusa", "4": "plain"}
+    assert out["recommendation"] == {"1": "heads", "4": "draft"}
+    assert out["predicted_recommendation"] == {"1": "heads", "4": "plain"}
 
 
 def test_each_method_is_predicted_from_its_run_at_the_smallest_batch():

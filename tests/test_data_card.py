@@ -128,7 +128,7 @@ def test_per_request_counts_add_up_to_the_batch_and_group_by_kind(embedded):
     from medusa.eval.kinds import generate_tracked, tau_by_kind
     from medusa.eval.methods import make_proposer
 
-    proposer = make_proposer(embedded, MethodSpec(method="medusa", tree="tree-8"))
+    proposer = make_proposer(embedded, MethodSpec(method="heads", tree="tree-8"))
     prompts = embedded.encode(["Name three primes.", "Write a haiku about rain.", "What is 12 * 7?"])
     done = []
     gen, steps, made = generate_tracked(embedded.engine, prompts, 12, proposer, None, None, done.append)

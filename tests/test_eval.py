@@ -38,7 +38,7 @@ def test_eval_end_to_end_schema(tmp_path, capsys):
     cfg = {"model": str(model_dir), "heads": str(heads_dir), "dtype": "fp32", "device": "cpu",
            "prompts": str(prompts), "raw_prompts": True, "max_new_tokens": 12, "repeats": 2, "threads": 1,
            "batch_sizes": [1, 4, 8], "hf_batch_sizes": [1, 4],
-           "methods": [{"method": "plain"}, {"method": "medusa", "tree": "tree-8"},
+           "methods": [{"method": "plain"}, {"method": "heads", "tree": "tree-8"},
                        {"method": "draft", "draft": "layers:1", "k": 3}, {"method": "lookup", "k": 4},
                        {"method": "hf"}, {"method": "hf_assisted", "draft": "layers:1", "k": 3},
                        {"method": "hf_lookup", "k": 4}],
@@ -51,7 +51,7 @@ def test_eval_end_to_end_schema(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     validate(report)
     got = {(r["method"], r["batch_size"]) for r in report["results"]}
-    ours = {"plain", "medusa:tree-8", "draft", "lookup"}
+    ours = {"plain", "heads:tree-8", "draft", "lookup"}
     assert got == {(m, b) for m in ours for b in (1, 4)} | {("hf", 1), ("hf", 4), ("hf_assisted", 1),
                                                            ("hf_lookup", 1)}
     for r in report["results"]:
@@ -59,16 +59,16 @@ def test_eval_end_to_end_schema(tmp_path, capsys):
         assert r["tokens_per_s_total"] > 0 and r["tokens_per_s_per_user"] > 0
         if r["method"] == "plain":
             assert r["speedup_vs_plain"] == 1.0 and r["mean_accepted"] == 1.0
-        elif r["kind"] in ("medusa", "draft", "lookup"):
+        elif r["kind"] in ("heads", "draft", "lookup"):
             assert r["mean_accepted"] >= 1.0 and len(r["acceptance_by_head"]) >= 1
             assert all(0 <= a <= 1 for a in r["acceptance_by_head"])
     assert report["max_new_tokens"] == 12 and report["dtype"] == "fp32" and report["num_prompts"] == 4
     cm = report["cost_model"]
-    assert set(cm["recommendation"]) == {"1", "4"} and set(cm["recommendation"].values()) <= {"medusa", "draft", "plain"}
+    assert set(cm["recommendation"]) == {"1", "4"} and set(cm["recommendation"].values()) <= {"heads", "draft", "plain"}
     assert cm["best_tree"]["1"] == "tree-8"
     assert cm["recommendation_source"] == {"1": "measured", "4": "measured"}
     assert {"target", "draft", "heads"} <= set(cm["latency_ms"])
-    assert set(report["crossover"]) >= {"medusa", "draft"}
+    assert set(report["crossover"]) >= {"heads", "draft"}
     assert json.loads((out / "cost_model.json").read_text())["recommendation"] == cm["recommendation"]
     for name in ("report.md", "speedup.png", "throughput.png", "acceptance.png", "predicted_vs_measured.png"):
         assert (out / name).stat().st_size > 0
@@ -88,7 +88,7 @@ def test_eval_sampled(tmp_path, capsys):
     model_dir, heads_dir, prompts = tiny_checkpoint(tmp_path)
     cfg = {"model": str(model_dir), "heads": str(heads_dir), "dtype": "fp32", "device": "cpu",
            "prompts": str(prompts), "raw_prompts": True, "max_new_tokens": 10, "repeats": 1, "threads": 1,
-           "batch_sizes": [1, 4], "methods": [{"method": "plain"}, {"method": "medusa", "tree": "tree-8"},
+           "batch_sizes": [1, 4], "methods": [{"method": "plain"}, {"method": "heads", "tree": "tree-8"},
                                                {"method": "hf"}],
            "cost_model": {"enabled": False}}
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(cfg))
@@ -99,7 +99,7 @@ def test_eval_sampled(tmp_path, capsys):
     validate(report)
     assert report["sampling"] == {"temperature": 0.8, "top_p": 1.0, "acceptance": "rejection"}
     assert all(r["greedy_mismatches"] is None for r in report["results"])
-    medusa = [r for r in report["results"] if r["kind"] == "medusa"]
+    medusa = [r for r in report["results"] if r["kind"] == "heads"]
     assert medusa and all(r["mean_accepted"] >= 1.0 for r in medusa)
     from medusa.eval.config import load_config as load_eval
 
@@ -117,7 +117,7 @@ def test_prompts_fill_whole_batches():
     ({"methods": [{"method": "beam"}]}, "methods.0.method"),
     ({"methods": [{"method": "draft", "k": 0}]}, "methods.0.k"),
     ({"colour": "red"}, "colour"),
-    ({"methods": [{"method": "medusa"}, {"method": "medusa"}]}, "duplicate"),
+    ({"methods": [{"method": "heads"}, {"method": "heads"}]}, "duplicate"),
 ])
 def test_bad_config_is_a_clear_error(tmp_path, cfg, message):
     path = tmp_path / "c.yaml"

@@ -120,13 +120,13 @@ def test_tree_names_resolve_against_the_heads_own_trees(tiny_model_dir, tmp_path
     assert len(load_tree("tree-16").nodes) == 16
     assert len(load_tree("tree-32", heads_dir=heads).nodes) == 32  # not among its own: the shipped one
     rt = Runtime.load(str(tiny_model_dir), heads=str(heads), dtype="fp32", device="cpu")
-    assert rt.proposer("medusa", "tree-16").tree.nodes == [(0,), (0, 0), (0, 0, 0)]
+    assert rt.proposer("heads", "tree-16").tree.nodes == [(0,), (0, 0), (0, 0, 0)]
     from medusa.decoding.proposers import MedusaProposer
 
     assert MedusaProposer(rt.heads, "tree-16").tree.nodes == [(0,), (0, 0), (0, 0, 0)]
-    assert rt.proposer("medusa").tree.nodes == load_tree(str(heads / "trees" / "tree-8.yaml")).nodes
+    assert rt.proposer("heads").tree.nodes == load_tree(str(heads / "trees" / "tree-8.yaml")).nodes
     with pytest.raises(MedusaError, match="tree-7"):
-        rt.proposer("medusa", "tree-7")
+        rt.proposer("heads", "tree-7")
 
 
 # ---- medusa export --out -------------------------------------------------------------------------------

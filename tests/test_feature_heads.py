@@ -601,7 +601,7 @@ def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, 
     assert rt.feature is not None and rt.heads is None
     prompts = mixed_prompts(2, vocab=97, seed=5)
     plain = rt.engine.generate(prompts, 12)
-    named = rt.proposer("medusa", "dynamic-8x3")
+    named = rt.proposer("heads", "dynamic-8x3")
     assert named.shape == TreeShape(8, 3, 8)  # top-k defaults to DEFAULT_TOPK, at most N
     spec = rt.engine.generate(prompts, 12, named)
     assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
@@ -621,7 +621,7 @@ def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, 
     assert [o.tokens for o in gen.outputs] == [o.tokens for o in plain.outputs]
     assert auto.steps["speculative"] > 0
     with pytest.raises(MedusaError, match="dynamic"):
-        rt.proposer("medusa", "tree-8")
+        rt.proposer("heads", "tree-8")
     # Medusa heads take dynamic trees too.
     from medusa.decoding.dynamic_tree import MedusaDynamicProposer
     from medusa.decoding.heads import HeadsConfig, MedusaHeads
@@ -629,7 +629,7 @@ def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, 
     (tmp_path / "medusa").mkdir()
     MedusaHeads(HeadsConfig(64, 97, 3, 1)).save(tmp_path / "medusa")
     mrt = Runtime.load(str(model_dir), heads=str(tmp_path / "medusa"), dtype="fp32", device="cpu")
-    dyn = mrt.proposer("medusa", "dynamic-10x3")
+    dyn = mrt.proposer("heads", "dynamic-10x3")
     assert isinstance(dyn, MedusaDynamicProposer) and dyn.depth == 3 and dyn.topk == 4  # MEDUSA_TOPK
     spec = mrt.engine.generate(prompts, 12, dyn)
     assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
@@ -714,12 +714,12 @@ def test_default_heads_are_the_preferred_shipped_kind(embedded):
     preferred = shipped_preferred(hf.config.hidden_size)
     assert (resolve_feature("default", hf) is not None) == preferred
     both = replace(embedded, feature=resolve_feature("feature", hf))  # what `default` loads when preferred
-    assert isinstance(both.proposer("medusa", "tree-8"), MedusaProposer)
-    dynamic = both.proposer("medusa", "dynamic-6x2")
+    assert isinstance(both.proposer("heads", "tree-8"), MedusaProposer)
+    dynamic = both.proposer("heads", "dynamic-6x2")
     assert isinstance(dynamic, FeatureProposer) and dynamic.shape == TreeShape(6, 2, 6)
     prompts = embedded.encode(["Name three colours.", "Count from one to five."])
     plain = embedded.engine.generate(prompts, 16)
-    for proposer in (both.proposer("medusa", "tree-8"), dynamic):
+    for proposer in (both.proposer("heads", "tree-8"), dynamic):
         spec = both.engine.generate(prompts, 16, proposer)
         assert [o.tokens for o in spec.outputs] == [o.tokens for o in plain.outputs]
 

@@ -287,8 +287,8 @@ def test_the_embedded_model_in_bf16_decodes_every_way_to_the_same_tokens(bf16_rt
     prompts = rt.encode(["Write a short story about a lighthouse keeper.", "Explain how vaccines work.",
                          "Give me three tips for learning a new language, with examples."])
     alone = [rt.engine.generate([p], 40).outputs[0].tokens for p in prompts]
-    for spec, tree in (("plain", None), ("medusa", "dynamic-16x5"), ("medusa", "tree-16")):
-        if spec == "medusa" and tree == "tree-16" and rt.heads is None:
+    for spec, tree in (("plain", None), ("heads", "dynamic-16x5"), ("heads", "tree-16")):
+        if spec == "heads" and tree == "tree-16" and rt.heads is None:
             continue
         gen = rt.engine.generate(prompts, 40, rt.proposer(spec, tree))
         assert [o.tokens for o in gen.outputs] == alone, f"{spec} {tree or ''}"

@@ -235,3 +235,19 @@ def test_one_verifier_and_retrieval_named_retrieval():
     # OLD_KIND / OLD_MERGED, and OpenAI's own `suffix` request field.
     allowed = ("medusa/runtime/proposers.py", "medusa/serve/protocol.py")
     assert stray and all(s.startswith(allowed) for s in stray), stray
+
+
+def test_the_heads_mode_is_named_heads():
+    """The mode that drafts with the runtime's heads, of either kind, says so: `heads` in every vocabulary that
+    names modes (the CLI's and the evaluator's, the server's policy, the cost model's recommendation); its
+    earlier name `medusa` is only read (`RENAMED`), never written."""
+    from medusa.eval.config import OURS
+    from medusa.eval.costmodel import RECOMMENDABLE
+    from medusa.runtime.proposers import MODES, RENAMED, ProposerSpec
+    from medusa.serve.config import PolicyConfig
+    from medusa.serve.policy import MODES as POLICY_MODES
+
+    for names in (MODES, OURS, POLICY_MODES, RECOMMENDABLE):
+        assert "heads" in names and not any(n.startswith("medusa") for n in names), names
+    assert RENAMED["medusa"] == "heads" and ProposerSpec.parse("medusa+retrieval").mode == "heads+retrieval"
+    assert PolicyConfig(mode="medusa").mode == "heads"

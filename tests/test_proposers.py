@@ -49,15 +49,15 @@ def test_plain_is_no_proposer(rt):
 
 
 def test_medusa_static_chain_and_dynamic_trees(rt):
-    p = build_proposer(rt, "medusa")
+    p = build_proposer(rt, "heads")
     assert isinstance(p, MedusaProposer) and p.tree.name == "tree-8"
-    assert build_proposer(rt, "medusa", "tree-16").tree.name == "tree-16"
-    chain = build_proposer(rt, "medusa", "chain-3")
+    assert build_proposer(rt, "heads", "tree-16").tree.name == "tree-16"
+    chain = build_proposer(rt, "heads", "chain-3")
     assert chain.tree.nodes == [(0,), (0, 0), (0, 0, 0)]
-    assert build_proposer(rt, "medusa", [[0], [1]]).tree.size == 3
-    dyn = build_proposer(rt, "medusa", "dynamic-8x3")
+    assert build_proposer(rt, "heads", [[0], [1]]).tree.size == 3
+    dyn = build_proposer(rt, "heads", "dynamic-8x3")
     assert isinstance(dyn, MedusaDynamicProposer) and dyn.depth == 3
-    assert isinstance(rt.proposer("medusa", "chain-2"), MedusaProposer)
+    assert isinstance(rt.proposer("heads", "chain-2"), MedusaProposer)
 
 
 def test_feature_heads_from_a_directory(rt, feature_dir):
@@ -77,7 +77,7 @@ def test_draft_and_lookup(rt):
 def test_built_proposers_decode_like_plain(rt, feature_dir):
     prompts = mixed_prompts(3, vocab=V, seed=7)
     plain = rt.engine.generate(prompts, 10)
-    for spec, tree in [("medusa", "chain-3"), ("medusa", "dynamic-6x2"), ("draft:layers:1", None), ("lookup:4", None),
+    for spec, tree in [("heads", "chain-3"), ("heads", "dynamic-6x2"), ("draft:layers:1", None), ("lookup:4", None),
                        (f"feature:{feature_dir}", "dynamic-6x3")]:
         gen = rt.engine.generate(prompts, 10, build_proposer(rt, spec, tree))
         assert [o.tokens for o in gen.outputs] == [o.tokens for o in plain.outputs], spec
@@ -85,7 +85,7 @@ def test_built_proposers_decode_like_plain(rt, feature_dir):
 
 
 @pytest.mark.parametrize("text, kind, arg, retrieval", [
-    ("plain", "plain", None, False), ("medusa+retrieval", "medusa", None, True),
+    ("plain", "plain", None, False), ("heads+retrieval", "heads", None, True),
     ("feature:/a/b+retrieval", "feature", "/a/b", True), ("draft:layers:2", "draft", "layers:2", False),
     ("lookup:5", "lookup", "5", False), ("retrieval", "retrieval", None, False), ("retrieval:8", "retrieval", "8", False),
 ])
@@ -96,8 +96,9 @@ def test_specs_parse_once_and_print_back(text, kind, arg, retrieval):
 
 
 @pytest.mark.parametrize("old, new", [("suffix", "retrieval"), ("suffix:8", "retrieval:8"),
-                                      ("medusa+suffix", "medusa+retrieval"), ("feature:/a/b+suffix", "feature:/a/b+retrieval")])
-def test_retrievals_earlier_spelling_is_read_with_one_warning(old, new, caplog):
+                                      ("medusa+suffix", "heads+retrieval"), ("feature:/a/b+suffix", "feature:/a/b+retrieval"),
+                                      ("medusa", "heads"), ("medusa+retrieval", "heads+retrieval")])
+def test_earlier_spellings_are_read_with_one_warning(old, new, caplog):
     from medusa.runtime.proposers import _renamed
 
     _renamed.cache_clear()
@@ -106,7 +107,7 @@ def test_retrievals_earlier_spelling_is_read_with_one_warning(old, new, caplog):
         assert str(ProposerSpec.parse(old, key="--mode")) == new
     assert str(spec) == new
     assert [r.getMessage() for r in caplog.records].count(
-        f"--mode: {old!r} is spelled {new!r} now (retrieval is named retrieval everywhere); read as such") == 1
+        f"--mode: {old!r} is spelled {new!r} now; read as such") == 1
 
 
 @pytest.mark.parametrize("text, match", [
@@ -125,8 +126,8 @@ def test_bad_spec_text_names_the_flag(text, match):
     ("lookup:many", None, "lookup:N with an integer N"),
     ("draft:layers:x", None, "--draft"),
     ("draft:layers:9", None, "--layers"),
-    ("medusa", "tree-5", "--tree: 'tree-5'"),
-    ("medusa", "chain-17", "chain depth must be 1..16"),
+    ("heads", "tree-5", "--tree: 'tree-5'"),
+    ("heads", "chain-17", "chain depth must be 1..16"),
 ])
 def test_bad_specs_say_what_was_wrong(rt, spec, tree, match):
     with pytest.raises(MedusaError, match=match) as err:
@@ -134,9 +135,9 @@ def test_bad_specs_say_what_was_wrong(rt, spec, tree, match):
     assert "\n" not in str(err.value)
 
 
-def test_medusa_without_heads_and_a_draft_of_another_vocabulary(rt, monkeypatch):
+def test_heads_without_heads_and_a_draft_of_another_vocabulary(rt, monkeypatch):
     with pytest.raises(MedusaError, match="needs heads"):
-        build_proposer(tiny_runtime(heads=False), "medusa")
+        build_proposer(tiny_runtime(heads=False), "heads")
     from medusa.decoding import draft
 
     other = Transformer(tiny_model(vocab=101))

@@ -50,7 +50,7 @@ def test_eval_report_carries_machine_and_command(tmp_path, monkeypatch, capsys):
     model_dir, heads_dir, prompts = tiny_checkpoint(tmp_path)
     cfg = {"model": str(model_dir), "heads": str(heads_dir), "dtype": "fp32", "device": "cpu",
            "prompts": str(prompts), "raw_prompts": True, "max_new_tokens": 4, "repeats": 1, "threads": 1,
-           "batch_sizes": [1], "methods": [{"method": "plain"}, {"method": "medusa", "tree": "tree-8"}],
+           "batch_sizes": [1], "methods": [{"method": "plain"}, {"method": "heads", "tree": "tree-8"}],
            "cost_model": {"enabled": False}}
     (tmp_path / "eval.yaml").write_text(yaml.safe_dump(cfg))
     argv = ["eval", "--config", str(tmp_path / "eval.yaml"), "--out", str(tmp_path / "out"), "--no-progress"]

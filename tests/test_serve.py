@@ -240,13 +240,13 @@ def test_dynamic_policy_switches_by_load(rt, tokenizer):
     high, low = DYNAMIC_POLICY["high_watermark"], DYNAMIC_POLICY["low_watermark"]
     by_load = [i for i, (load, d) in enumerate(decisions) if d.mode == "plain" and d.reason.startswith("load")]
     assert by_load and by_load[0] == 0 and decisions[0][0] >= high, decisions[:3]  # switched off by load
-    back_on = [i for i, (_, d) in enumerate(decisions) if d.mode == "medusa" and i > by_load[-1]]
+    back_on = [i for i, (_, d) in enumerate(decisions) if d.mode == "heads" and i > by_load[-1]]
     assert back_on, "speculation never came back once the load fell"
     assert decisions[by_load[-1] + 1][0] <= low  # switched back on at the low watermark, not before
     assert all(load >= low for load, _ in decisions[:by_load[-1] + 1])
     assert _metric(metrics, 'medusa_steps_total{mode="plain"}') >= len(by_load)
-    assert _metric(metrics, 'medusa_steps_total{mode="medusa"}') == len(
-        [d for _, d in decisions if d.mode == "medusa"]) > 0
+    assert _metric(metrics, 'medusa_steps_total{mode="heads"}') == len(
+        [d for _, d in decisions if d.mode == "heads"]) > 0
 
 
 def _metric(text: str, name: str) -> float:
@@ -277,7 +277,7 @@ def test_stop_string_ends_and_is_trimmed(server, rt, tokenizer, stream):
 def test_seeded_sampling_is_reproducible(rt, tokenizer):
     # A fixed speculation mode: under the dynamic policy the step modes (and so the random numbers a row
     # draws) depend on load and on the acceptance gate's history, which the shared server's tests change.
-    with serve(rt, policy={"mode": "medusa", "trees": {1: "chain-2"}}) as url:
+    with serve(rt, policy={"mode": "heads", "trees": {1: "chain-2"}}) as url:
         c = client(url)
         kw = dict(model="default", prompt="Roll the dice:", max_tokens=6, temperature=0.9, top_p=0.95)
         a = c.completions.create(seed=7, **kw).choices[0].text

@@ -52,9 +52,9 @@ def test_feature_heads_under_the_dynamic_policy(feature_rt, tokenizer, fill_call
 def test_logprobs_with_feature_heads_drafting(feature_rt):
     """A request for log-probabilities keeps speculation on; they equal plain decoding's."""
     kw = dict(model="default", prompt="Describe a quiet harbour town at dusk", max_tokens=12, logprobs=3)
-    with serve(feature_rt, policy={"mode": "medusa", "trees": {1: "dynamic-8x3"}}) as url:
+    with serve(feature_rt, policy={"mode": "heads", "trees": {1: "dynamic-8x3"}}) as url:
         spec = client(url).completions.create(**kw).choices[0].logprobs
-        steps = _metric(httpx.get(url + "/metrics", timeout=10).text, 'medusa_steps_total{mode="medusa"}')
+        steps = _metric(httpx.get(url + "/metrics", timeout=10).text, 'medusa_steps_total{mode="heads"}')
     with serve(feature_rt, policy={"mode": "plain"}) as url:
         plain = client(url).completions.create(**kw).choices[0].logprobs
     assert steps > 0
@@ -66,28 +66,28 @@ def test_logprobs_with_feature_heads_drafting(feature_rt):
 def test_trees_for_each_kind_of_head(feature_rt, rt):
     """Feature heads default to a dynamic tree and refuse static ones, naming the key; Medusa heads take
     dynamic trees by name beside static ones."""
-    server = create_app(ServeConfig(dtype="fp32", policy={"mode": "medusa", "calibrate": False}),
+    server = create_app(ServeConfig(dtype="fp32", policy={"mode": "heads", "calibrate": False}),
                         feature_rt).state.server
-    assert list(server.policy.medusa) == ["dynamic-16x5x8"]
+    assert list(server.policy.heads) == ["dynamic-16x5x8"]
     with pytest.raises(MedusaError, match="policy.trees: feature heads grow dynamic trees"):
         create_app(ServeConfig(dtype="fp32", policy={"trees": {1: "tree-8"}, "calibrate": False}),
                    feature_rt)
     server = create_app(ServeConfig(dtype="fp32", policy={"trees": {1: "tree-8", 4: "dynamic-8x3"},
                                                                 "calibrate": False}), rt).state.server
-    assert sorted(server.policy.medusa) == ["dynamic-8x3", "tree-8"]
+    assert sorted(server.policy.heads) == ["dynamic-8x3", "tree-8"]
     # one tree for every row (a static proposer) and a tree per row (the heads' dynamic tree, retrieval grafted)
-    assert isinstance(server.policy.medusa["tree-8"], StaticProposer)
-    assert not isinstance(server.policy.medusa["dynamic-8x3"], StaticProposer)
+    assert isinstance(server.policy.heads["tree-8"], StaticProposer)
+    assert not isinstance(server.policy.heads["dynamic-8x3"], StaticProposer)
     with pytest.raises(MedusaError, match="policy.trees"):
         create_app(ServeConfig(dtype="fp32", policy={"trees": {1: "dynamic-99x2"}, "calibrate": False}), rt)
 
 
 def test_medusa_heads_over_a_dynamic_tree_match_decoding_alone(rt, tokenizer):
     prompts = [("Name a fruit", 9), ("Describe a quiet harbour town at dusk", 17), ("Hi", 5)]
-    with serve(rt, policy={"mode": "medusa", "trees": {1: "dynamic-8x3"}}) as url:
+    with serve(rt, policy={"mode": "heads", "trees": {1: "dynamic-8x3"}}) as url:
         c = client(url)
         got = [c.completions.create(model="default", prompt=p, max_tokens=m).choices[0].text for p, m in prompts]
-        steps = _metric(httpx.get(url + "/metrics", timeout=10).text, 'medusa_steps_total{mode="medusa"}')
+        steps = _metric(httpx.get(url + "/metrics", timeout=10).text, 'medusa_steps_total{mode="heads"}')
     assert got == [alone(rt, tokenizer(p)["input_ids"], m)[0] for p, m in prompts]
     assert steps > 0
 
@@ -97,13 +97,13 @@ def test_retrieval_alone_without_heads(tokenizer):
     without heads; the old spellings `suffix-N` and `suffix:N` are read as such), every greedy stream equal to its prompt
     decoded alone; a heads' tree name is refused, naming the key."""
     bare = tiny_runtime(tokenizer, seed=4, heads=False)
-    server = create_app(ServeConfig(dtype="fp32", policy={"mode": "medusa"}), bare).state.server
-    assert list(server.policy.medusa) == ["retrieval:16"]
+    server = create_app(ServeConfig(dtype="fp32", policy={"mode": "heads"}), bare).state.server
+    assert list(server.policy.heads) == ["retrieval:16"]
     assert PolicyConfig(trees={1: "suffix-8"}).trees == {1: "retrieval:8"}
     assert PolicyConfig(trees={1: "suffix:8"}).trees == {1: "retrieval:8"}
-    with serve(bare, policy={"mode": "medusa", "trees": {1: "suffix-8"}}, max_queue=64) as url:
+    with serve(bare, policy={"mode": "heads", "trees": {1: "suffix-8"}}, max_queue=64) as url:
         check_concurrent_streams(url, bare, tokenizer, 8)
-        steps = _metric(httpx.get(url + "/metrics", timeout=10).text, 'medusa_steps_total{mode="medusa"}')
+        steps = _metric(httpx.get(url + "/metrics", timeout=10).text, 'medusa_steps_total{mode="heads"}')
     assert steps > 0
     with pytest.raises(MedusaError, match="policy.trees: 'tree-8': without heads the trees are retrieval's"):
         create_app(ServeConfig(dtype="fp32", policy={"trees": {1: "tree-8"}, "calibrate": False}), bare)

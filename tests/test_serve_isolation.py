@@ -159,9 +159,9 @@ def test_huge_seed_over_http_is_a_400_and_running_streams_finish(rt, tokenizer, 
 
 
 def test_proposer_failure_redoes_the_step_without_speculation(rt, tokenizer, solo):
-    app = app_for(rt, policy={"mode": "medusa", "trees": {1: "tree-8"}})
+    app = app_for(rt, policy={"mode": "heads", "trees": {1: "tree-8"}})
     server = app.state.server
-    good = server.policy.medusa["tree-8"]
+    good = server.policy.heads["tree-8"]
 
     class Broken(StaticProposer):
         name, tree = "broken", good.tree
@@ -169,7 +169,7 @@ def test_proposer_failure_redoes_the_step_without_speculation(rt, tokenizer, sol
         def fill(self, batch):
             raise RuntimeError("proposer exploded")
 
-    server.policy.medusa["tree-8"] = Broken()
+    server.policy.heads["tree-8"] = Broken()
     with running_server(app) as url:
         got = [httpx.post(url + "/v1/completions", json={"model": "default", "prompt": p, "max_tokens": MAX_TOKENS},
                           timeout=60) for p in PROMPTS[:2]]
@@ -274,14 +274,14 @@ def test_retry_after_is_the_drain_rate_of_the_moment(rt):
     assert admission.completions[-1] == now
 
 
-@pytest.mark.parametrize("mode", ["plain", "medusa"])
+@pytest.mark.parametrize("mode", ["plain", "heads"])
 def test_requests_joining_a_running_batch_get_their_solo_tokens(rt, tokenizer, mode):
     """Rows prefilled into a batch that is already decoding (at different step boundaries, with prompts of
     different lengths) produce exactly the tokens, and the same first-token distribution, as alone."""
     long_prompt, joiners = "Once upon a time there was", ["The sea is", "Numbers: one two three four five"]
     want = {p: rt.engine.generate([tokenizer(p)["input_ids"]], 30).outputs[0].tokens
             for p in [long_prompt, *joiners]}
-    policy = {"mode": mode, "trees": {1: "tree-16"}} if mode == "medusa" else {"mode": "plain"}
+    policy = {"mode": mode, "trees": {1: "tree-16"}} if mode == "heads" else {"mode": "plain"}
     app = app_for(rt, policy=policy)
     sched = app.state.server.scheduler
     jobs, pending = [], []

@@ -164,7 +164,7 @@ def test_no_logprobs_asked_means_none_computed():
 def test_logprobs_through_the_server_with_and_without_speculation(rt, tokenizer):
     prompt = "Describe a quiet harbour town at dusk"
     kw = dict(model="default", prompt=prompt, max_tokens=10, logprobs=3)
-    with serve(rt, policy={"mode": "medusa", "trees": {1: "tree-16"}}) as url:
+    with serve(rt, policy={"mode": "heads", "trees": {1: "tree-16"}}) as url:
         spec = client(url).completions.create(**kw).choices[0].logprobs
     with serve(rt, draft="layers:2", draft_k=3, policy={"mode": "draft"}) as url:
         # The tiny model's 2 layers as draft: every draft token is accepted, so most tokens come from it.

@@ -12,10 +12,10 @@ from medusa.serve.config import PolicyConfig, load_config
 from medusa.serve.policy import SpeculationPolicy
 
 
-def policy(has_medusa: bool = True, has_draft: bool = False, warm: bool = True, **kw) -> SpeculationPolicy:
+def policy(has_heads: bool = True, has_draft: bool = False, warm: bool = True, **kw) -> SpeculationPolicy:
     """A policy; `warm` feeds it the gate's plain probe steps in every batch bucket, as if it had already
     timed them."""
-    p = SpeculationPolicy(PolicyConfig(**kw), has_medusa, has_draft)
+    p = SpeculationPolicy(PolicyConfig(**kw), has_heads, has_draft)
     if warm:
         for n in (1, 2, 4, 8, 16, 32, 64, 128):
             for _ in range(AcceptanceGate.PLAIN_PROBES):
@@ -31,14 +31,14 @@ def test_hysteresis_between_watermarks():
     p = policy(high_watermark=8, low_watermark=4)
     # Rising load: on until 8; falling: stays off until 4; in the band the current state holds.
     assert modes(p, [1, 5, 7, 8, 7, 5, 4, 6, 7, 9]) == \
-        ["medusa"] * 3 + ["plain"] * 3 + ["medusa"] * 3 + ["plain"]
+        ["heads"] * 3 + ["plain"] * 3 + ["heads"] * 3 + ["plain"]
 
 
 def test_queued_requests_count_as_load():
     p = policy(high_watermark=8, low_watermark=4)
     assert p.decide(2, 10).mode == "plain"
     assert p.decide(2, 3).mode == "plain"  # load 5 is inside the band: still off
-    assert p.decide(2, 0).mode == "medusa"
+    assert p.decide(2, 0).mode == "heads"
 
 
 def test_tree_follows_batch_size():
@@ -49,10 +49,10 @@ def test_tree_follows_batch_size():
 
 def test_trees_default_to_the_heads_own_unless_the_config_names_them():
     feature = {1: "dynamic-16x5x4"}
-    p = SpeculationPolicy(PolicyConfig(mode="medusa"), True, False, default_trees=feature)
+    p = SpeculationPolicy(PolicyConfig(mode="heads"), True, False, default_trees=feature)
     assert p.decide(1, 0).tree == "dynamic-16x5x4"
-    assert SpeculationPolicy(PolicyConfig(mode="medusa"), True, False).decide(1, 0).tree == "tree-8"
-    named = SpeculationPolicy(PolicyConfig(mode="medusa", trees={1: "dynamic-8x3"}), True, False,
+    assert SpeculationPolicy(PolicyConfig(mode="heads"), True, False).decide(1, 0).tree == "tree-8"
+    named = SpeculationPolicy(PolicyConfig(mode="heads", trees={1: "dynamic-8x3"}), True, False,
                               default_trees=feature)
     assert named.decide(1, 0).tree == "dynamic-8x3"
 
@@ -61,16 +61,16 @@ def test_acceptance_gate_pauses_and_retries_with_backoff():
     p = policy(window=4, min_tau=2.0, retry_after_steps=10)
     for _ in range(4):
         d = p.decide(1, 0)
-        assert d.mode == "medusa"
+        assert d.mode == "heads"
         p.observe(1, d.mode != "plain", 1.1, 0.01)  # poor acceptance
     assert modes(p, [1] * 9) == ["plain"] * 9
     for _ in range(4):  # retried after the pause, still poor
         d = p.decide(1, 0)
-        assert d.mode == "medusa"
+        assert d.mode == "heads"
         p.observe(1, d.mode != "plain", 1.2, 0.01)
     # Second failure in a row: the pause doubles.
     assert modes(p, [1] * 19) == ["plain"] * 19
-    assert p.decide(1, 0).mode == "medusa"
+    assert p.decide(1, 0).mode == "heads"
 
 
 def test_gate_waits_for_evidence_at_batch_size_one():
@@ -78,13 +78,13 @@ def test_gate_waits_for_evidence_at_batch_size_one():
     p = policy(window=16, min_tau=1.3, retry_after_steps=10)
     for _ in range(4):
         p.observe(1, p.decide(1, 0).mode != "plain", 1.0, 0.01)
-    assert p.decide(1, 0).mode == "medusa"
+    assert p.decide(1, 0).mode == "heads"
     for tau in [1.0, 3.0, 1.0, 2.0, 1.0, 1.0, 4.0, 1.0]:
         p.observe(1, p.decide(1, 0).mode != "plain", tau, 0.01)
-    assert p.decide(1, 0).mode == "medusa"
+    assert p.decide(1, 0).mode == "heads"
     for _ in range(16):  # a whole window at tau 1: now the evidence is there
         d = p.decide(1, 0)
-        if d.mode != "medusa":
+        if d.mode != "heads":
             break
         p.observe(1, d.mode != "plain", 1.0, 0.01)
     assert p.decide(1, 0).mode == "plain"
@@ -96,7 +96,7 @@ def test_one_slow_first_step_does_not_close_the_gate():
     p.observe(1, p.decide(1, 0).mode != "plain", 1.5, 0.300)
     for i in range(20):
         d = p.decide(1, 0)
-        assert d.mode == "medusa", i
+        assert d.mode == "heads", i
         p.observe(1, d.mode != "plain", 1.5 + (i % 2), 0.012)
 
 
@@ -105,7 +105,7 @@ def test_acceptance_gate_is_per_batch_bucket():
     for _ in range(4):
         p.observe(2, p.decide(2, 0).mode != "plain", 1.0, 0.01)
     assert p.decide(2, 0).mode == "plain"
-    assert p.decide(1, 0).mode == "medusa"  # a smaller bucket keeps its own record
+    assert p.decide(1, 0).mode == "heads"  # a smaller bucket keeps its own record
     assert p.decide(4, 0).mode == "plain"  # a larger one inherits the failure
 
 
@@ -118,7 +118,7 @@ def test_gate_uses_the_measured_cost_of_a_speculative_step():
     p.observe(4, first.mode != "plain", 1.0, 0.010)
     for _ in range(3):
         d = p.decide(4, 0)
-        assert d.mode == "medusa"
+        assert d.mode == "heads"
         p.observe(4, d.mode != "plain", 2.0, 0.030)
     p.observe(4, p.decide(4, 0).mode != "plain", 2.0, 0.030)
     assert p.decide(4, 0).mode == "plain" and p.decide(8, 0).mode == "plain"  # larger buckets too
@@ -127,14 +127,14 @@ def test_gate_uses_the_measured_cost_of_a_speculative_step():
     q = policy(window=4, min_tau=1.3, retry_after_steps=50)
     for _ in range(8):
         q.observe(4, q.decide(4, 0).mode != "plain", 2.0, 0.015)
-    assert q.decide(4, 0).mode == "medusa"
+    assert q.decide(4, 0).mode == "heads"
 
 
 def test_fixed_modes_ignore_load_and_acceptance():
-    on = policy(mode="medusa", window=1, min_tau=3.0)
+    on = policy(mode="heads", window=1, min_tau=3.0)
     d = on.decide(64, 100)
     on.observe(64, d.mode != "plain", 1.0, 1.0)
-    assert d.mode == "medusa" and on.decide(64, 100).mode == "medusa"
+    assert d.mode == "heads" and on.decide(64, 100).mode == "heads"
     assert policy(mode="plain").decide(1, 0).mode == "plain"
 
 
@@ -142,7 +142,7 @@ def test_the_policy_is_a_step_policy_choosing_its_own_proposers():
     """`choose` names the decision's proposer (plain when it is missing) and `recover` drops a failing one."""
     from types import SimpleNamespace
 
-    p = policy(mode="medusa", trees={1: "tree-8", 4: "tree-16"})
+    p = policy(mode="heads", trees={1: "tree-8", 4: "tree-16"})
     heads = SimpleNamespace(span=9)  # the KV slots a step needs past a row's length (`Proposer.span`)
     p.serve({"tree-8": heads}, None)
     assert p.max_tree_size == 9
@@ -150,33 +150,34 @@ def test_the_policy_is_a_step_policy_choosing_its_own_proposers():
     assert p.choose(4) is None and p.chosen[0].mode == "plain" and "unavailable" in p.chosen[0].reason
     p.choose(1)
     assert p.recover(heads, RuntimeError("boom")) and p.failures == 1
-    assert p.chosen[0].mode == "plain" and p.chosen[0].reason == "medusa failed" and p.chosen[1] is None
+    assert p.chosen[0].mode == "plain" and p.chosen[0].reason == "heads failed" and p.chosen[1] is None
 
 
 def test_without_any_proposer_dynamic_is_plain_and_fixed_is_an_error():
-    assert policy(has_medusa=False).decide(1, 0).mode == "plain"
-    with pytest.raises(MedusaError, match="policy.mode 'medusa' needs heads"):
-        policy(has_medusa=False, mode="medusa")
-    assert policy(has_medusa=False, has_draft=True).decide(1, 0).mode == "draft"
+    assert policy(has_heads=False).decide(1, 0).mode == "plain"
+    with pytest.raises(MedusaError, match="policy.mode 'heads' needs heads"):
+        policy(has_heads=False, mode="heads")
+    assert policy(has_heads=False, has_draft=True).decide(1, 0).mode == "draft"
 
 
 def test_cost_model_sets_watermarks_kinds_and_trees(tmp_path):
+    """(A file written before the heads' mode was named `heads` says `medusa`: read as heads.)"""
     f = tmp_path / "cost.json"
-    f.write_text(json.dumps({"recommendation": {"1": "medusa", "2": "medusa", "4": "draft", "8": "plain",
+    f.write_text(json.dumps({"recommendation": {"1": "medusa", "2": "heads", "4": "draft", "8": "plain",
                                                 "16": "plain"},
                              "best_tree": {"1": 64, "2": "tree-32"}, "other": {"ignored": True}}))
     p = policy(has_draft=True, cost_model=str(f))
     assert (p.high, p.low) == (8, 4)
     got = [(d.mode, d.tree) for d in (p.decide(n, 0) for n in (1, 2, 4, 8, 6, 4))]
-    assert got == [("medusa", "tree-64"), ("medusa", "tree-32"), ("draft", None), ("plain", None),
+    assert got == [("heads", "tree-64"), ("heads", "tree-32"), ("draft", None), ("plain", None),
                    ("plain", None), ("draft", None)]
-    # Without a draft model the speculative kind falls back to Medusa.
-    assert policy(cost_model=str(f)).decide(4, 0).mode == "medusa"
+    # Without a draft model the speculative kind falls back to the heads.
+    assert policy(cost_model=str(f)).decide(4, 0).mode == "heads"
 
 
 def test_cost_model_inside_an_eval_report(tmp_path):
     f = tmp_path / "report.json"
-    f.write_text(json.dumps({"results": [], "cost_model": {"recommendation": {"1": "medusa", "4": "plain"},
+    f.write_text(json.dumps({"results": [], "cost_model": {"recommendation": {"1": "heads", "4": "plain"},
                                                            "best_tree": {"1": "tree-16"}}}))
     p = policy(cost_model=str(f))
     assert (p.high, p.low, p.decide(1, 0).tree) == (4, 1, "tree-16")
@@ -192,8 +193,8 @@ def test_cost_model_that_never_speculates(tmp_path):
 @pytest.mark.parametrize("content, words", [
     ("{", "not valid JSON"),
     ('{"best_tree": {}}', "no 'recommendation'"),
-    ('{"recommendation": {"one": "medusa"}}', "not a batch size"),
-    ('{"recommendation": {"1": "turbo"}}', "expected medusa|draft|plain"),
+    ('{"recommendation": {"one": "heads"}}', "not a batch size"),
+    ('{"recommendation": {"1": "turbo"}}', "expected heads|draft|plain"),
 ])
 def test_bad_cost_model_names_the_problem(tmp_path, content, words):
     f = tmp_path / "cost.json"
@@ -268,7 +269,7 @@ def test_calibrated_plans_set_watermarks_and_trees():
     big, small = Tree([[0], [1], [0, 0]], name="auto-3"), Tree([[0]], name="auto-1")
     plans = [Plan(1, big, 1.4, 1.6, ""), Plan(2, small, 1.1, 1.3, ""), Plan(4, None, 1.0, 1.0, ""),
              Plan(8, None, 1.0, 1.0, "")]
-    p = SpeculationPolicy(PolicyConfig(), has_medusa=True, has_draft=False, calibrated=CostModel.from_plans(plans))
+    p = SpeculationPolicy(PolicyConfig(), has_heads=True, has_draft=False, calibrated=CostModel.from_plans(plans))
     for n in (1, 2, 4, 8):
         p.observe(n, False, 1.0, 0.01)
     assert (p.high, p.low) == (4, 2)
@@ -286,3 +287,12 @@ def test_every_response_outcome_has_a_series_from_the_start():
     assert labels == set(OUTCOMES)
     text = Metrics().render().decode()
     assert all(f'outcome="{o}"' in text for o in OUTCOMES)
+
+
+def test_the_heads_earlier_mode_name_is_read(caplog):
+    from medusa.runtime.proposers import _renamed
+
+    _renamed.cache_clear()
+    with caplog.at_level("WARNING", logger="medusa"):
+        assert PolicyConfig(mode="medusa").mode == "heads"
+    assert any("'medusa' is spelled 'heads' now" in r.getMessage() for r in caplog.records)

@@ -88,7 +88,7 @@ def runs(rt):
     """The conversation against a server with the cache on (16-token blocks) and one with it off."""
     out = {}
     for on in (True, False):
-        with serve(rt, prefix_cache=on, policy={"mode": "medusa", "trees": {1: "tree-8"}, "calibrate": False}) as url:
+        with serve(rt, prefix_cache=on, policy={"mode": "heads", "trees": {1: "tree-8"}, "calibrate": False}) as url:
             out[on] = conversation(url)
     return out
 

@@ -364,7 +364,7 @@ def test_medusa2_lora_trains_adapter_and_heads(tiny, tmp_path):
     from medusa.runtime import Runtime
 
     rt = Runtime.load(str(tmp_path / "run" / "merged"), heads=str(heads), dtype="fp32", device="cpu")
-    gen = rt.engine.generate([[5, 6, 7]], 8, rt.proposer("medusa", [[0], [0, 0]]))
+    gen = rt.engine.generate([[5, 6, 7]], 8, rt.proposer("heads", [[0], [0, 0]]))
     assert len(gen.outputs[0].tokens) == 8
 
 

@@ -109,12 +109,12 @@ def test_installed_wheel_imports_from_itself_alone(venv, tmp_path):
 
 
 def test_installed_command_generates_outside_the_source_tree(venv, tmp_path):
-    # --mode medusa with a named tree rather than the default auto: auto (and an unnamed feature tree)
+    # --mode heads with a named tree rather than the default auto: auto (and an unnamed feature tree)
     # measures this machine's pass-cost curve on first use (minutes on a busy two-core CPU), which is not
     # what this test is about; this decodes with the default model and heads (the shipped feature heads)
     # that the wheel carries.
     proc = run([str(venv / "bin" / "medusa"), "generate", "--prompt", "Say hello.", "--max-new-tokens", "8",
-                "--mode", "medusa", "--tree", "dynamic-6x2"], cwd=tmp_path, timeout=600)
+                "--mode", "heads", "--tree", "dynamic-6x2"], cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     head, rest = proc.stdout.split("\n", 1)
     assert head.startswith("--- [0] ("), proc.stdout

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         raise MedusaError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     # Without --tree: the heads' default tree (the Medusa heads' own when feature heads were loaded beside them)
     trees = args.tree.split(",") if args.tree else [rt.heads.tree().name if rt.heads is not None else None]
-    fixed = {f"medusa:{p.tree.name}": p for p in (rt.proposer("medusa", t) for t in trees)}
+    fixed = {f"heads:{p.tree.name}": p for p in (rt.proposer("heads", t) for t in trees)}
     from medusa.runtime.feature import bench_methods
 
     fixed.update(bench_methods(rt, args.feature))

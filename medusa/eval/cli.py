@@ -114,7 +114,7 @@ def _crossover_from_file(args: argparse.Namespace) -> int:
     sizes = args.batch_sizes or sorted(int(b) for b in data.get("predicted", {})) or [1, 2, 4, 8, 16, 32, 64]
     by_method = data.get("predicted_by_method") or {}  # an evaluation's runs, each method predicted from its own
     model = predict(dict(data), sizes)
-    rows = [{"batch_size": b, "medusa": model["predicted"][str(b)].get("medusa"),
+    rows = [{"batch_size": b, "heads": model["predicted"][str(b)].get("heads"),
              "draft": model["predicted"][str(b)].get("draft"),
              "best_tree": model["best_tree"].get(str(b)), "best_k": model["best_k"].get(str(b)),
              "regime": model["recommendation"][str(b)]} for b in sizes]
@@ -125,7 +125,7 @@ def _crossover_from_file(args: argparse.Namespace) -> int:
     for row in rows:
         b = str(row["batch_size"])
         saved = (data.get("predicted") or {}).get(b, {})
-        row.update(medusa=saved.get("medusa"), draft=saved.get("draft"), methods=by_method.get(b, {}), regime=data.get("recommendation", {}).get(b, row["regime"]),
+        row.update(heads=saved.get("heads", saved.get("medusa")), draft=saved.get("draft"), methods=by_method.get(b, {}), regime=data.get("recommendation", {}).get(b, row["regime"]),
                    fastest=(data.get("fastest") or {}).get(b, {}).get("predicted"))
     return _print_crossover(rows, data.get("crossover_by_method") or {}, args.json)
 
@@ -150,9 +150,9 @@ def _print_crossover(rows: list[dict], cross: dict, as_json: bool) -> int:
             print(f"{r['batch_size']:>6} " + " ".join(f"{fmt(r['methods'].get(n)):>{max(len(n), 6)}}"
                                                       for n in names) + f"  {r['fastest']}  {r['regime']}")
     else:
-        print(f"{'batch':>6} {'medusa S':>9} {'draft S':>8} {'best K':>6} {'best tree':>10}  regime")
+        print(f"{'batch':>6} {'heads S':>9} {'draft S':>8} {'best K':>6} {'best tree':>10}  regime")
         for r in rows:
-            print(f"{r['batch_size']:>6} {fmt(r.get('medusa')):>9} {fmt(r.get('draft')):>8} "
+            print(f"{r['batch_size']:>6} {fmt(r.get('heads')):>9} {fmt(r.get('draft')):>8} "
                   f"{str(r.get('best_k') or '-'):>6} {str(r.get('best_tree') or '-'):>10}  {r['regime']}")
     for name, b in cross.items():
         print(f"{name} stops paying at batch size {b}" if b else f"{name} pays at every batch size listed")

@@ -25,7 +25,7 @@ class MethodSpec(BaseModel):
     # auto: default flags (`medusa generate` without --mode): auto mode's planned trees behind its gate
     method: Literal[(*OURS, "auto", *HF)]
     label: str | None = None
-    tree: str | None = None           # medusa: tree file or shipped name
+    tree: str | None = None           # heads: tree file or shipped name
     draft: str | None = None          # draft / hf_assisted: see medusa.decoding.draft.load_draft
     k: int | None = Field(default=None, ge=1, le=64)  # draft chain length / lookup tokens / retrieval tree nodes
     max_ngram: int = Field(default=3, ge=1)
@@ -42,8 +42,8 @@ class MethodSpec(BaseModel):
             return self.label
         if self.method in ("feature", "feature+retrieval"):  # tree: dynamic-N[xD[xK]], or None for the planned size
             return f"{self.method}:{self.tree or 'planned'}"
-        if self.method == "medusa":
-            return f"medusa:{Path(self.tree or DEFAULT_TREE).stem}"
+        if self.method == "heads":
+            return f"heads:{Path(self.tree or DEFAULT_TREE).stem}"
         return self.method
 
 
@@ -71,7 +71,7 @@ class EvalConfig(BaseModel):
     repeats: int = Field(default=3, ge=1)
     warmup: bool = True
     threads: int | None = Field(default=None, ge=1)
-    methods: list[MethodSpec] = [MethodSpec(method="plain"), MethodSpec(method="medusa", tree=DEFAULT_TREE),
+    methods: list[MethodSpec] = [MethodSpec(method="plain"), MethodSpec(method="heads", tree=DEFAULT_TREE),
                                  MethodSpec(method="draft", draft="default", k=4),
                                  MethodSpec(method="lookup", k=8),
                                  MethodSpec(method="hf"), MethodSpec(method="hf_assisted", draft="default", k=4),

@@ -23,7 +23,7 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
 
     cm = cfg.cost_model
     acc = acceptance(rt, results, min(cfg.batch_sizes))
-    tokens = sorted(set(cm.tokens) | {s["tree_size"] for s in acc["medusa"].values()}
+    tokens = sorted(set(cm.tokens) | {s["tree_size"] for s in acc["heads"].values()}
                     | ({acc["draft"]["k"] + 1} if acc["draft"] else set()))
     draft_spec = next((m for m in cfg.methods if m.method == "draft"), None)
     n_grid = len(cfg.batch_sizes) * (len(tokens) + (2 if draft_spec else 0))
@@ -37,8 +37,8 @@ def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict],
         draft = methods.proposer(draft_spec).model  # timed with its own head: a draft may score a reduced vocabulary
         lat["draft"] = Latency(measure_forward(draft.transformer, cfg.batch_sizes, [1, 2, 4], cm.prefix, cm.repeats,
                                                bar, head=draft.head)).to_dict()
-    if rt.heads is not None and acc["medusa"]:
-        topk = max(load_tree(s["spec"]).topk for s in acc["medusa"].values())
+    if rt.heads is not None and acc["heads"]:
+        topk = max(load_tree(s["spec"]).topk for s in acc["heads"].values())
         lat["heads"] = {str(b): ms for b, ms in measure_heads(rt.heads, rt.model.config.hidden_size,
                                                                cfg.batch_sizes, topk, rt.model.dtype,
                                                                rt.model.device, cm.repeats,
@@ -90,7 +90,7 @@ def method_drafting(rt, cfg: EvalConfig, methods: Methods, lat: dict, cm) -> dic
     heads = lat.get("heads") or {}
     for m in cfg.methods:
         kind = m.method.removesuffix(MERGED)
-        if kind == "medusa" and heads:
+        if kind == "heads" and heads:
             out[m.name] = {int(b): ms for b, ms in heads.items()}
         elif kind == "draft" and draft is not None:
             k = m.k or 4
@@ -167,13 +167,13 @@ def by_method(model: dict, target: Latency, results: list[dict], drafting: dict[
 def acceptance(rt, results: list[dict], batch: int) -> dict:
     """Acceptance at batch size `batch`: tau and tree size per Medusa tree, tau and alpha of the first draft,
     tau of the first feature method."""
-    acc: dict = {"medusa": {}, "draft": None, "feature": None}
+    acc: dict = {"heads": {}, "draft": None, "feature": None}
     for r in results:
         if r["batch_size"] != batch or r["mean_accepted"] is None:
             continue
-        if r["kind"] == "medusa":
+        if r["kind"] == "heads":
             tree = load_tree(r["tree"], heads_dir=rt.heads.directory if rt.heads is not None else None)
-            acc["medusa"][tree.name] = {"tau": r["mean_accepted"], "tree_size": tree.size, "method": r["method"],
+            acc["heads"][tree.name] = {"tau": r["mean_accepted"], "tree_size": tree.size, "method": r["method"],
                                         "spec": r["tree"]}
         elif r["kind"] == "draft" and acc["draft"] is None:
             acc["draft"] = {"k": r["k"], "tau": r["mean_accepted"], "method": r["method"],
@@ -186,7 +186,7 @@ def acceptance(rt, results: list[dict], batch: int) -> dict:
 def server_kind(kind: str) -> str:
     """The server policy's mode that runs a method of this kind: a draft model, plain decoding, or the
     runtime's own proposer (its heads, with retrieval) for every other kind."""
-    return kind if kind in ("plain", "draft") else "medusa"
+    return kind if kind in ("plain", "draft") else "heads"
 
 
 def apply_measurements(model: dict, results: list[dict]) -> dict:
@@ -218,7 +218,7 @@ def apply_measurements(model: dict, results: list[dict]) -> dict:
             fastest[b].update(measured=name, measured_speedup=speedup)
             model["recommendation"][b] = server_kind(kind) if pays(speedup) else "plain"
             source[b] = "measured"
-            if kind == "medusa":
+            if kind == "heads":
                 model["best_tree"][b] = next(r.get("tree") for r in results if r["method"] == name) or \
                     model["best_tree"].get(b)
         else:

@@ -27,9 +27,11 @@ from medusa.errors import MedusaError
 from medusa.runtime.timing import Latency, heads_ms
 
 # The speculative methods the cost model predicts. The recommendation (which the server's policy reads)
-# chooses among RECOMMENDABLE only: the server speculates with the runtime's heads ("medusa") or a draft.
-SPECULATIVE = ("medusa", "feature", "draft")
-RECOMMENDABLE = ("medusa", "draft")
+# chooses among RECOMMENDABLE only: the server speculates with the runtime's heads ("heads") or a draft.
+# ("heads" here: Medusa heads over static trees, the evaluator's `heads` method; reports written before the
+# heads' mode was named `heads` say "medusa", and are read as such.)
+SPECULATIVE = ("heads", "feature", "draft")
+RECOMMENDABLE = ("heads", "draft")
 
 # ---- analytic model ---------------------------------------------------------------------------------
 
@@ -109,7 +111,7 @@ def predict(model: dict, batch_sizes: list[int]) -> dict:
     """Fill a cost-model dict's predictions from its latencies and acceptance.
 
     model["latency_ms"] = {"target": Latency dict, "draft": Latency dict?, "heads": {B: ms}?}
-    model["acceptance"] = {"medusa": {tree: {"tau", "tree_size"}}, "draft": {"k", "tau", "alpha"},
+    model["acceptance"] = {"heads": {tree: {"tau", "tree_size"}}, "draft": {"k", "tau", "alpha"},
                            "feature": {"tau", "nodes", "depth"}?}
     model["latency_ms"]["feature_draft"] = {B: {"catch_up", "expand", "host"}}? (a feature head's draft step)
     Adds "predicted", "analytic", "recommendation", "best_tree", "best_k" and "crossover".
@@ -119,7 +121,7 @@ def predict(model: dict, batch_sizes: list[int]) -> dict:
     draft = Latency.from_dict(lat["draft"]) if lat.get("draft") else None
     heads = {int(b): ms for b, ms in (lat.get("heads") or {}).items()}
     acc = model.get("acceptance", {})
-    trees = acc.get("medusa") or {}
+    trees = acc.get("heads") or acc.get("medusa") or {}
     dacc = acc.get("draft")
     facc, fdraft = acc.get("feature"), lat.get("feature_draft") or {}
     predicted, analytic, rec, best_tree, best_ks = {}, {}, {}, {}, {}
@@ -128,8 +130,8 @@ def predict(model: dict, batch_sizes: list[int]) -> dict:
         options = {name: medusa_speedup(target, heads, b, t["tree_size"], t["tau"]) for name, t in trees.items()}
         if options:
             name = max(options, key=options.get)
-            row["medusa"], row["medusa_tree"] = options[name], name
-            row["medusa_by_tree"] = options
+            row["heads"], row["heads_tree"] = options[name], name
+            row["heads_by_tree"] = options
             best_tree[str(b)] = name
         if draft is not None and dacc:
             row["draft"] = draft_speedup(target, draft, b, dacc["k"], dacc["tau"])

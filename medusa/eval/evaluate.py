@@ -44,7 +44,7 @@ def finish_from_partial(cfg: EvalConfig, out_dir: Path, partial: Path, progress:
     if not results:
         raise MedusaError(f"--from-partial: {partial} holds no finished run with a plain reference")
     with torch_threads(cfg.threads):
-        rt = _runtime(cfg, any(r["kind"] == "medusa" for r in results))
+        rt = _runtime(cfg, any(r["kind"] == "heads" for r in results))
         cfg = cfg.model_copy(update={"batch_sizes": sorted({r["batch_size"] for r in results})})
         cost = build_cost_model(rt, cfg, Methods(rt, cfg), results, progress) if cfg.cost_model.enabled else {}
         report = _report(rt, cfg, len(eval_texts(cfg)), results, cost)
@@ -85,7 +85,7 @@ def _report(rt: Runtime, cfg: EvalConfig, num_prompts: int, results: list[dict],
             "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "acceptance": cfg.acceptance}
             if cfg.sampled else None,
             "config": cfg.model_dump(), "results": results, "cost_model": cost,
-            "crossover": cost.get("crossover", {"medusa": None, "draft": None}),
+            "crossover": cost.get("crossover", {"heads": None, "draft": None}),
             "measured_crossover": measured_crossover(results),
             "measured_crossover_by_method": measured_crossover_by_method(results)}
 
@@ -93,7 +93,7 @@ def _report(rt: Runtime, cfg: EvalConfig, num_prompts: int, results: list[dict],
 def _evaluate(cfg: EvalConfig, out_dir: Path, progress: bool) -> dict:
     from tqdm import tqdm
 
-    rt = _runtime(cfg, any(m.method in ("medusa", "medusa+retrieval", "auto") for m in cfg.methods))
+    rt = _runtime(cfg, any(m.method in ("heads", "heads+retrieval", "auto") for m in cfg.methods))
     labelled = eval_prompts(cfg.sources, cfg.max_prompts)
     prompts = rt.encode([p for p, _ in labelled], raw=cfg.raw_prompts)
     kinds = [k for _, k in labelled]

@@ -16,8 +16,8 @@ def make_proposer(rt, m: MethodSpec) -> Proposer | None:
     kind = m.method.removesuffix(MERGED)
     arg = {"feature": m.heads, "draft": m.draft or "default", "retrieval": str(m.k) if m.k else None}.get(kind)
     spec = ProposerSpec(kind, arg, retrieval=m.method.endswith(MERGED))
-    # `medusa` is the Medusa heads over their default tree even where feature heads were loaded beside them.
-    tree = m.tree or (DEFAULT_TREE if m.method == "medusa" else None)
+    # `heads` is the Medusa heads over their default tree even where feature heads were loaded beside them.
+    tree = m.tree or (DEFAULT_TREE if m.method == "heads" else None)
     return build_proposer(rt, spec, tree, k=m.k, max_ngram=m.max_ngram)
 
 

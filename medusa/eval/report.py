@@ -4,7 +4,7 @@ report.json
     model, device, dtype, threads, prompts, num_prompts, max_new_tokens, batch_sizes, repeats, config,
     sampling ({temperature, top_p, acceptance}, or null when greedy)
     results: one entry per (method, batch size):
-        method, kind (plain|medusa|draft|lookup|hf|hf_assisted|hf_lookup), batch_size,
+        method, kind (plain|heads|draft|lookup|hf|hf_assisted|hf_lookup), batch_size,
         tokens_per_s_per_user, tokens_per_s_total (+ _min/_max over repeats), time_per_output_token_ms,
         seconds, new_tokens, repeats, mean_accepted (tau; null for HF), acceptance_by_head (list; null for
         HF), speedup_vs_plain (total throughput over ours at the same batch size), greedy_mismatches
@@ -17,10 +17,10 @@ report.json
         source's name); report.md then has a table of tau by kind
     cost_model: latency_ms {target, draft: {grid [[B, T, ms]], fit {a_ms, b_ms_per_row, c_ms_per_token,
         max_rel_error}}, heads {B: ms}, feature_draft {B: {catch_up, expand, host}}}, acceptance,
-        predicted {B: {plain, medusa, feature, draft, ...}}, analytic {B: {c, speedup}},
+        predicted {B: {plain, heads, feature, draft, ...}}, analytic {B: {c, speedup}},
         predicted_by_method {B: {method: speedup}} (medusa.eval.step_model), crossover_by_method
         {method: B|null}, fastest {B: {measured, measured_speedup, predicted, predicted_speedup}} (every
-        method of ours, plain included), recommendation {B: medusa|draft|plain} (the server's mode for the
+        method of ours, plain included), recommendation {B: heads|draft|plain} (the server's mode for the
         fastest), best_tree {B: name}, best_k {B: K}, crossover {kind: B|null}
     crossover: {kind: B|null} predicted; measured_crossover: the same from the runs;
         measured_crossover_by_method: {method: B|null}
@@ -58,7 +58,7 @@ def validate(report: dict) -> None:
         for key in ("tokens_per_s_per_user", "tokens_per_s_total", "speedup_vs_plain"):
             if not isinstance(r[key], (int, float)) or r[key] <= 0:
                 raise ValueError(f"report.json: results[{i}].{key} must be a positive number")
-    for key in ("medusa", "draft"):
+    for key in ("heads", "draft"):
         if key not in report["crossover"]:
             raise ValueError(f"report.json: crossover has no {key!r}")
 

@@ -39,7 +39,7 @@ def summarize(m: MethodSpec, batch: int, results: list[RunResult], reference: li
             row["k"] = m.k or 4
         if m.method == "lookup":
             row["k"] = m.k or 8
-        if m.method == "medusa":
+        if m.method == "heads":
             row["tree"] = m.tree or DEFAULT_TREE
     row["greedy_mismatches"] = None
     if reference is not None:

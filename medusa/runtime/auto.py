@@ -54,7 +54,7 @@ class Plan:
     reason: str
 
     def to_dict(self) -> dict:
-        return {"batch_size": self.batch, "mode": "medusa" if self.tree is not None else "plain",
+        return {"batch_size": self.batch, "mode": "speculative" if self.tree is not None else "plain",
                 "tree": self.tree.name if self.tree is not None else None,
                 "tree_size": self.tree.size if self.tree is not None else 1,
                 "predicted_speedup": round(self.speedup, 3), "expected_tau": round(self.tau, 3),

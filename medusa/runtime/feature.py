@@ -135,7 +135,7 @@ def runner_for(rt: "Runtime") -> HeadRunner:
 
 
 def feature_proposer(rt: "Runtime", tree: str | None = None, batch_size: int = 1) -> FeatureProposer:
-    """`--mode medusa` with feature heads: the named dynamic tree, or the planned one for `batch_size`."""
+    """`--mode heads` with feature heads: the named dynamic tree, or the planned one for `batch_size`."""
     runner = runner_for(rt)
     if tree is not None:
         if not is_dynamic(tree):

@@ -1,12 +1,12 @@
 """Mode names, and the one place that turns them into a proposer for a runtime's model.
 
 The one vocabulary of how tokens are drafted, the same in `medusa generate --mode`, the evaluator's
-`methods`, `medusa bench` and the server's policy (its modes are `medusa`, `draft` and `plain`):
+`methods`, `medusa bench` and the server's policy (its modes are `heads`, `draft` and `plain`):
 
     plain            no proposer: plain decoding
-    medusa           the runtime's heads: Medusa heads over a static tree (`--tree`, default the heads'
-                     own) or a per-row dynamic tree (`dynamic-N[xD[xK]]`), or the feature heads `--heads`
-                     loaded (dynamic trees only)
+    heads            the runtime's heads, of either kind: Medusa heads over a static tree (`--tree`, default
+                     the heads' own) or a per-row dynamic tree (`dynamic-N[xD[xK]]`), or the feature heads
+                     `--heads` loaded (dynamic trees only)
     feature[:DIR]    feature heads from DIR (default: the runtime's own, else the shipped ones)
     draft[:PATH]     a draft model (`default`, `layers:N`, a `medusa train-draft` directory, an HF model
                      directory or hub id) proposing a chain of `k` tokens
@@ -14,12 +14,13 @@ The one vocabulary of how tokens are drafted, the same in `medusa generate --mod
     retrieval[:N]    retrieval alone: a tree of N nodes (default 16) from the text's own earlier
                      continuations (`medusa.decoding.retrieval`); needs no heads. Its tree has the same
                      name, `retrieval:N` (the server's `policy.trees` without heads)
-    X+retrieval      X's dynamic trees (medusa with feature heads or --tree dynamic-N, feature[:DIR])
+    X+retrieval      X's dynamic trees (heads with feature heads or --tree dynamic-N, feature[:DIR])
                      with retrieval branches grafted in, under X's node budget
 
 `auto` (the CLI's and the server's default) is not a proposer: it chooses among these per step.
-A spec is parsed once, where it enters (flag, config key, request), into a `ProposerSpec`. Retrieval's
-earlier spelling, `suffix[:N]` and `X+suffix`, is still read, with one warning naming the new one.
+A spec is parsed once, where it enters (flag, config key, request), into a `ProposerSpec`. Earlier
+spellings (`RENAMED`: `medusa` for heads, `suffix[:N]` and `X+suffix` for retrieval) are still read, with one
+warning naming the new one.
 """
 
 from __future__ import annotations
@@ -40,32 +41,36 @@ if TYPE_CHECKING:
     from medusa.runtime import Runtime
 
 MERGED = "+retrieval"
-MERGEABLE = ("medusa", "feature")  # the kinds that grow dynamic trees retrieval can graft onto
-NO_ARGUMENT = ("plain", "medusa")
+MERGEABLE = ("heads", "feature")  # the kinds that grow dynamic trees retrieval can graft onto
+NO_ARGUMENT = ("plain", "heads")
 COUNT_ARGUMENT = ("lookup", "retrieval")
-SPECS = ("plain, medusa, feature[:DIR], draft[:PATH], lookup[:K], retrieval[:N], medusa+retrieval, "
+SPECS = ("plain, heads, feature[:DIR], draft[:PATH], lookup[:K], retrieval[:N], heads+retrieval, "
          "feature[:DIR]+retrieval")
-OLD_KIND, OLD_MERGED = "suffix", "+suffix"  # retrieval's earlier spelling, still read
+RENAMED = {"medusa": "heads", "suffix": "retrieval"}  # kinds' earlier names, still read
+OLD_MERGED = "+suffix"  # retrieval's earlier spelling as a graft
 log = logging.getLogger("medusa")
 
 
 @functools.lru_cache(maxsize=None)
 def _renamed(old: str, new: str, key: str) -> None:
-    log.warning("%s: %r is spelled %r now (retrieval is named retrieval everywhere); read as such", key, old, new)
+    log.warning("%s: %r is spelled %r now; read as such", key, old, new)
 
 
 def current_spelling(text: str, key: str = "--mode") -> str:
-    """`text` with retrieval's earlier spelling (`suffix[:N]`, `X+suffix`, a tree `suffix:N`) replaced by
-    the current one, warning once per spelling."""
-    kind, sep, rest = text.partition(":")
-    new = text
-    if new.endswith(OLD_MERGED):
-        new = new.removesuffix(OLD_MERGED) + MERGED
-    if kind == OLD_KIND:
-        new = "retrieval" + sep + rest
+    """`text` with a kind's earlier name (`RENAMED`: `medusa[+suffix]`, `suffix[:N]`, `X+suffix`, a tree
+    `suffix:N`) replaced by the current one, warning once per spelling."""
+    body, graft = text, ""
+    for end in (MERGED, OLD_MERGED):
+        if body.endswith(end):
+            body, graft = body.removesuffix(end), MERGED
+            break
+    kind, sep, rest = body.partition(":")
+    new = RENAMED.get(kind, kind) + sep + rest + graft
     if new != text:
         _renamed(text, new, key)
     return new
+
+
 DRAFT_K = 4
 LOOKUP_K = 8
 RETRIEVAL_NODES = 16
@@ -123,7 +128,7 @@ class Options:
 # The registry: a proposer kind is its module plus one line here, (runtime, spec, options) -> proposer.
 BUILDERS: dict[str, Callable[["Runtime", ProposerSpec, Options], "Proposer | None"]] = {
     "plain": lambda rt, spec, o: None,
-    "medusa": lambda rt, spec, o: _medusa(rt, o.tree),
+    "heads": lambda rt, spec, o: _heads(rt, o.tree),
     "feature": lambda rt, spec, o: _feature(rt, spec.arg, o.tree),
     "draft": lambda rt, spec, o: _draft(rt, spec.arg or "default", o.k or DRAFT_K),
     "lookup": lambda rt, spec, o: LookupProposer(k=int(spec.arg or o.k or LOOKUP_K), max_ngram=o.max_ngram),
@@ -148,7 +153,7 @@ def _feature(rt: "Runtime", heads: str | None, tree: "str | list | Tree | None")
     return method_proposer(rt, heads, None if tree is None else str(tree))
 
 
-def _medusa(rt: "Runtime", tree: "str | list | Tree | None") -> Proposer:
+def _heads(rt: "Runtime", tree: "str | list | Tree | None") -> Proposer:
     name = tree.name if isinstance(tree, Tree) else str(tree)
     static = tree is not None and not is_dynamic(name)
     if rt.feature is not None and not (static and rt.heads is not None):
@@ -162,7 +167,7 @@ def _medusa(rt: "Runtime", tree: "str | list | Tree | None") -> Proposer:
     # Names resolve against the heads' own trees first, so trained heads get the trees built for them.
     shape = load_tree(tree or DEFAULT_TREE, heads_dir=rt.heads.directory if rt.heads is not None else None)
     if rt.heads is None:
-        raise MedusaError("--mode medusa needs heads: pass --heads PATH (no shipped heads fit this model)")
+        raise MedusaError("--mode heads needs heads: pass --heads PATH (no shipped heads fit this model)")
     return MedusaProposer(rt.heads, shape, projection=rt.model.lm_head)
 
 
@@ -176,7 +181,7 @@ def _draft(rt: "Runtime", path: str, k: int) -> Proposer:
     return DraftProposer(draft, k)
 
 
-def merged(inner: Proposer | None, retriever=None, spec: str = "medusa+retrieval") -> Proposer:
+def merged(inner: Proposer | None, retriever=None, spec: str = "heads+retrieval") -> Proposer:
     """`inner`'s dynamic trees with retrieval branches grafted in (`inner` must grow its trees)."""
     if not isinstance(inner, GrowingProposer):
         raise MedusaError(f"--mode: {spec!r}: retrieval merges into dynamic trees: feature heads, or Medusa heads "

@@ -69,8 +69,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cors-origin", dest="cors_origins", action="append", default=None, metavar="ORIGIN",
                    help="let pages from ORIGIN (scheme://host[:port]) call the server, with CORS headers "
                         "(repeatable; default: none, CORS off)")
-    p.add_argument("--policy", default=None, choices=["dynamic", "medusa", "draft", "plain"],
-                   help="speculation policy (default dynamic)")
+    p.add_argument("--policy", default=None, choices=["dynamic", "heads", "draft", "plain", "medusa"],
+                   help="speculation policy (default dynamic); medusa: the earlier name of heads")
     p.add_argument("--cost-model", default=None, help="evaluator cost-model JSON for the dynamic policy")
     p.add_argument("--docs", action="store_true", default=None,
                    help="serve the OpenAPI schema and its pages (/openapi.json, /docs, /redoc)")

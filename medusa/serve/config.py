@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from medusa.io import read_yaml, validate
 from medusa.decoding.hardware import check_dtype_spelling
 
-PolicyMode = Literal["dynamic", "medusa", "draft", "plain"]
+PolicyMode = Literal["dynamic", "heads", "draft", "plain"]
 # Retrieval's trees were once named suffix-N, then suffix:N; they are named as the mode is now, retrieval:N.
 OLD_RETRIEVAL_TREE = re.compile(r"suffix[-:](\d+)")
 
@@ -23,7 +23,7 @@ log = logging.getLogger("medusa.serve.app")
 
 
 class PolicyConfig(BaseModel):
-    """How each engine step chooses between the runtime's heads ("medusa": Medusa or feature heads,
+    """How each engine step chooses between the runtime's heads ("heads": Medusa or feature heads,
     whichever `heads` names), a draft model and plain decoding."""
 
     model_config = ConfigDict(extra="forbid")
@@ -44,13 +44,21 @@ class PolicyConfig(BaseModel):
     window: int = Field(16, ge=1)
     min_tau: float = Field(1.3, ge=1.0)
     retry_after_steps: int = Field(128, ge=1)
-    # Evaluator cost-model JSON ({"recommendation": {"<batch size>": "medusa"|"draft"|"plain"},
+    # Evaluator cost-model JSON ({"recommendation": {"<batch size>": "heads"|"draft"|"plain"},
     # optional "best_tree": {"<batch size>": "<tree name or path>"}}); it overrides watermarks and trees.
     cost_model: str | None = None
     # Without a cost_model file, derive the watermarks and trees from this machine's calibrated pass-cost
     # curve and the heads' held-out accuracy (what `medusa generate --mode auto` does), when the heads
     # have an eval.json to predict from.
     calibrate: bool = True
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _old_mode_name(cls, mode):
+        """The heads' earlier mode name, `medusa`, still works, and says what it is called now."""
+        from medusa.runtime.proposers import current_spelling
+
+        return current_spelling(mode, "policy.mode") if mode == "medusa" else mode
 
     @field_validator("trees")
     @classmethod

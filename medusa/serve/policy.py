@@ -1,5 +1,5 @@
 """Dynamic speculation: per engine step, choose the heads' tree verification (Medusa or feature heads: mode
-"medusa"), draft-model chains or plain decoding.
+"heads"), draft-model chains or plain decoding.
 
 Speculation pays when the target pass is memory- or overhead-bound (small batches): checking a tree of
 candidates costs little more than one token. As the running batch grows the pass becomes compute-bound,
@@ -24,11 +24,12 @@ raises before its step commits anything is dropped for that step, which is redon
 
 Cost-model JSON read here (written by `medusa eval`, alone or as the "cost_model" key of its report.json;
 other keys are ignored):
-    {"recommendation": {"1": "medusa", "2": "medusa", "8": "plain", ...},
+    {"recommendation": {"1": "heads", "2": "heads", "8": "plain", ...},
      "best_tree": {"1": "tree-32", "4": "tree-16", ...}}      # optional; values: tree names/paths or sizes
 Speculation switches off at the smallest batch size recommended "plain" (high watermark) and back on at the
-largest speculative batch size below it (low watermark); the kind (medusa/draft) follows the
-recommendation for the current batch size.
+largest speculative batch size below it (low watermark); the kind (heads/draft) follows the
+recommendation for the current batch size. Files written before the heads' mode was named `heads` say
+`medusa`; it is read as `heads`.
 """
 
 from __future__ import annotations
@@ -52,14 +53,14 @@ from medusa.serve.config import PolicyConfig
 log = logging.getLogger("medusa.serve.policy")
 # The policy's modes, named as everywhere (`medusa.runtime.proposers`): the runtime's own heads (or retrieval
 # alone), a draft model, or none.
-MODES = ("medusa", "draft", "plain")
+MODES = ("heads", "draft", "plain")
 SPECULATIVE = MODES[:2]
 
 
 @dataclass(frozen=True)
 class Decision:
-    mode: str  # "medusa", "draft" or "plain"
-    tree: str | None  # Medusa tree name for mode "medusa"
+    mode: str  # "heads", "draft" or "plain"
+    tree: str | None  # the heads' tree name for mode "heads"
     reason: str
 
 
@@ -76,8 +77,9 @@ class CostModel:
         rec = data.get("recommendation") if isinstance(data, dict) else None
         if not isinstance(rec, dict) or not rec:
             raise MedusaError(f"policy.cost_model: {path} has no 'recommendation' mapping "
-                              "(batch size -> medusa|draft|plain)")
-        return cls(_by_batch(rec, path, "recommendation", values=("medusa", "draft", "plain")),
+                              "(batch size -> heads|draft|plain)")
+        rec = {b: "heads" if v == "medusa" else v for b, v in rec.items()}  # the earlier name of heads
+        return cls(_by_batch(rec, path, "recommendation", values=MODES),
                    _by_batch(data.get("best_tree") or {}, path, "best_tree"))
 
 
@@ -85,7 +87,7 @@ class CostModel:
     def from_plans(cls, plans: "list[Plan]") -> "CostModel":
         """The auto mode's per-batch-size plans (this machine's calibrated curve and the heads' accuracy)
         as a cost model: speculate with the planned tree where it predicts a gain, plain elsewhere."""
-        rec = {p.batch: "medusa" if p.tree is not None else "plain" for p in plans}
+        rec = {p.batch: "heads" if p.tree is not None else "plain" for p in plans}
         return cls(rec, {p.batch: p.tree.name for p in plans if p.tree is not None})
 
 
@@ -116,27 +118,27 @@ def _floor_lookup(table: dict[int, str], n: int) -> str:
 
 
 class SpeculationPolicy(StepPolicy):
-    def __init__(self, cfg: PolicyConfig, has_medusa: bool, has_draft: bool, calibrated: CostModel | None = None,
+    def __init__(self, cfg: PolicyConfig, has_heads: bool, has_draft: bool, calibrated: CostModel | None = None,
                  default_trees: dict[int, str] | None = None):
-        """`has_medusa`: the runtime has heads of its own (Medusa or feature heads; mode "medusa" drafts with
+        """`has_heads`: the runtime has heads of its own (Medusa or feature heads; mode "heads" drafts with
         them). `calibrated`: the cost model of this machine's calibration, used when no cost_model file is
         set. `default_trees`: the heads' trees when the config names none. The proposers come with `serve`."""
         self.cfg = cfg
-        self.has = {"medusa": has_medusa, "draft": has_draft}
+        self.has = {"heads": has_heads, "draft": has_draft}
         self.high, self.low = cfg.high_watermark, cfg.low_watermark
         self.trees = dict(cfg.trees or default_trees or {1: DEFAULT_TREE})
-        self.kind_by_batch: dict[int, str] = {1: "medusa" if has_medusa else "draft"}
+        self.kind_by_batch: dict[int, str] = {1: "heads" if has_heads else "draft"}
         if cfg.cost_model:
             self._apply_cost_model(CostModel.load(cfg.cost_model))
         elif calibrated is not None:
             self._apply_cost_model(calibrated)
         if cfg.mode in SPECULATIVE and not self.has[cfg.mode]:
-            need = "heads (--heads)" if cfg.mode == "medusa" else "a draft model (--draft)"
+            need = "heads (--heads)" if cfg.mode == "heads" else "a draft model (--draft)"
             raise MedusaError(f"policy.mode {cfg.mode!r} needs {need}")
         self.spec_on = True
         self.gate = AcceptanceGate(cfg.window, cfg.min_tau, cfg.retry_after_steps)
         self.last: Decision | None = None
-        self.medusa: dict[str, Proposer] = {}  # the heads' proposer per tree name
+        self.heads: dict[str, Proposer] = {}  # the heads' proposer per tree name
         self.draft: Proposer | None = None
         self.max_tree_size = 1
         self.queued = 0  # requests waiting when the next step is chosen
@@ -144,16 +146,16 @@ class SpeculationPolicy(StepPolicy):
         self.failures = 0  # proposers that raised (their steps were redone plainly)
 
     # ---- the engine's step policy ---------------------------------------------------------------------
-    def serve(self, medusa: dict[str, Proposer], draft: Proposer | None) -> None:
+    def serve(self, heads: dict[str, Proposer], draft: Proposer | None) -> None:
         """The proposers the decisions name: the heads' per tree name, and the draft model's."""
-        self.medusa, self.draft = dict(medusa), draft
-        self.max_tree_size = max([p.span for p in self.medusa.values()]
+        self.heads, self.draft = dict(heads), draft
+        self.max_tree_size = max([p.span for p in self.heads.values()]
                                  + ([draft.span] if draft is not None else []), default=1)
 
     def attach(self, batch) -> None:
         """Per-row proposer state a new batch needs before its first prefill (feature heads keep the
         prompts' features then, and every step's after)."""
-        for proposer in [*self.medusa.values(), self.draft]:
+        for proposer in [*self.heads.values(), self.draft]:
             if proposer is not None:
                 proposer.attach(batch)
 
@@ -162,8 +164,8 @@ class SpeculationPolicy(StepPolicy):
         self.queued = queued
 
     def proposer_for(self, decision: Decision) -> Proposer | None:
-        if decision.mode == "medusa":
-            return self.medusa.get(decision.tree)
+        if decision.mode == "heads":
+            return self.heads.get(decision.tree)
         return self.draft if decision.mode == "draft" else None
 
     def choose(self, rows: int) -> Proposer | None:
@@ -196,16 +198,16 @@ class SpeculationPolicy(StepPolicy):
 
     @property
     def can_speculate(self) -> bool:
-        return self.has["medusa"] or self.has["draft"]
+        return self.has["heads"] or self.has["draft"]
 
     def _kind(self, n: int) -> str:
         kind = _floor_lookup(self.kind_by_batch, n)
         if not self.has[kind]:
-            kind = "draft" if kind == "medusa" else "medusa"
+            kind = "draft" if kind == "heads" else "heads"
         return kind
 
     def _decision(self, mode: str, n: int, reason: str) -> Decision:
-        return Decision(mode, _floor_lookup(self.trees, n) if mode == "medusa" else None, reason)
+        return Decision(mode, _floor_lookup(self.trees, n) if mode == "heads" else None, reason)
 
     def decide(self, running: int, queued: int) -> Decision:
         """The mode of the next step for a batch of `running` rows with `queued` requests waiting."""

@@ -38,7 +38,7 @@ def calibrated_policy(cfg: ServeConfig, rt: Runtime, draft: Any) -> tuple[CostMo
 
 
 def drafts_without_draft_model(rt: Runtime) -> bool:
-    """Whether the runtime can speculate with no draft model (the policy's "medusa" mode): heads of its own
+    """Whether the runtime can speculate with no draft model (the policy's "heads" mode): heads of its own
     (Medusa or feature heads), or, without heads, retrieval alone (`retrieval:N` trees)."""
     return rt.heads is not None or rt.feature is not None or rt.retrieval
 
@@ -74,8 +74,8 @@ def heads_proposer(rt: Runtime, name: str, planned: Tree | None = None) -> Any:
                 raise MedusaError(f"{name!r}: without heads the trees are retrieval's, named retrieval:N")
             return build_proposer(rt, name)
         if is_dynamic(name) or rt.feature is not None:  # dynamic trees: retrieval grafted in
-            return rt.proposer("medusa+retrieval" if rt.retrieval else "medusa", name)
-        return rt.proposer("medusa", planned or load_tree(name, heads_dir=rt.heads.directory))
+            return rt.proposer("heads+retrieval" if rt.retrieval else "heads", name)
+        return rt.proposer("heads", planned or load_tree(name, heads_dir=rt.heads.directory))
     except MedusaError as exc:
         raise MedusaError(f"policy.trees: {str(exc).removeprefix('--tree: ')}") from None
 

@@ -49,7 +49,7 @@ class Server:
         self.api_key = cfg.api_key or os.environ.get("MEDUSA_API_KEY") or None
         self.metrics = Metrics()
         calibrated, planned = calibrated_policy(cfg, rt, draft)
-        self.policy = SpeculationPolicy(cfg.policy, has_medusa=drafts_without_draft_model(rt),
+        self.policy = SpeculationPolicy(cfg.policy, has_heads=drafts_without_draft_model(rt),
                                         has_draft=draft is not None, calibrated=calibrated,
                                         default_trees=default_trees(rt))
         self.policy.serve(heads_proposers(rt, self.policy, planned), draft)
