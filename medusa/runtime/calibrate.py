@@ -351,6 +351,10 @@ def run(args) -> int:
     print(f"machine: {rt.machine.describe()}, dtype {rt.dtype.name} ({rt.dtype.reason})")
     print(f"curve ({cal.path}): one target pass over T tokens per row, as a multiple of a 1-token pass")
     print(curve_table(cal))
+    if rt.feature is not None and cal.host.get(host_key(rt)):
+        cells = ", ".join(f"B={b} {f:.1f} ms + {p:.2f} per expansion"
+                          for b, (f, p) in sorted(cal.host[host_key(rt)].items()))
+        print(f"  a draft step's host work beyond the head's passes: {cells}")
     for p in plans:
         what = f"{p['tree']} ({p['tree_size']} tokens)" if p["tree"] else "plain"
         print(f"  auto at B={p['batch_size']}: {what}, predicted {p['predicted_speedup']:.2f}x: {p['reason']}")
