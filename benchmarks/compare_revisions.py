@@ -36,8 +36,10 @@ def bench(where: Path, args: list[str], out: Path) -> tuple[dict[str, float], di
     report = json.loads(out.read_text())
     speeds, taus = dict(report["tokens_per_s"]), dict(report.get("mean_accepted") or {})
     for b, row in (report.get("batched") or {}).items():  # `--batch-sizes`: default flags and plain per size
-        speeds.update({f"bs{b} plain": row["plain"], f"bs{b} auto": row["auto"],
-                       f"bs{b} auto/plain": row.get("speedup", row["auto"] / row["plain"])})
+        # Paired: each batch's default/plain, median over batches (computed here, so a base revision that
+        # reported a ratio of medians is read the same way).
+        paired = statistics.median(a / p for a, p in zip(row["auto_all"], row["plain_all"]))
+        speeds.update({f"bs{b} plain": row["plain"], f"bs{b} auto": row["auto"], f"bs{b} auto/plain": paired})
         taus[f"bs{b} auto"] = row["auto_tau"]
     # A base from before today's names reports its methods as suffix:N (retrieval) and medusa:TREE (the
     # heads' mode): read as today's names.
