@@ -643,7 +643,8 @@ def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, 
     proposer = Methods(bare, cfg).proposer(m)
     assert isinstance(proposer, FeatureProposer) and proposer.shape == TreeShape(6, 3, 6)
     # Its cost in the evaluator's model: the head's passes and a whole draft step's host work, timed in the engine.
-    from medusa.eval.cost_inputs import drafting_ms, feature_drafting
+    from medusa.eval.cost_inputs import feature_drafting
+    from medusa.eval.costmodel import drafting_ms
 
     acc: dict = {}
     timed = feature_drafting(bare.engine, proposer, acc, [1, 2], 16, 1)

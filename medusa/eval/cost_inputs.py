@@ -8,7 +8,8 @@ from medusa.decoding.dynamic_tree import parse_shape
 from medusa.decoding.feature_runner import draft_pass_ms
 from medusa.decoding.tree import load_tree
 from medusa.eval.config import HF, EvalConfig
-from medusa.eval.costmodel import SPECULATIVE, alpha_from_acceptance, crossover, crossover_of, pays, predict
+from medusa.eval.costmodel import (SPECULATIVE, alpha_from_acceptance, crossover, crossover_of, drafting_ms, pays,
+                                   predict)
 from medusa.eval.methods import Methods
 from medusa.eval.step_model import planned, predict_runs
 from medusa.runtime.calibrate import draft_key, host_key, load_or_measure
@@ -72,13 +73,9 @@ def feature_drafting(engine, proposer, acc: dict, batch_sizes: list[int], prefix
         t = {"catch_up": draft_pass_ms(inner.runner, b, 2, prefix, repeats),
              "expand": draft_pass_ms(inner.runner, b, shape.topk, prefix, repeats)}
         step = draft_step_ms(engine, proposer, b, prefix)
-        out[str(b)] = {**t, "host": max(step - t["catch_up"] - (shape.depth - 1) * t["expand"], 0.0)}
+        out[str(b)] = {**t, "host": max(step - drafting_ms(t, shape.depth), 0.0)}
     return out
 
-
-def drafting_ms(t: dict, depth: int) -> float:
-    """A feature head's whole draft step from `feature_drafting`'s timings (`host`: 0 where not timed)."""
-    return t["catch_up"] + (depth - 1) * t["expand"] + t.get("host", 0.0)
 
 
 def method_drafting(rt, cfg: EvalConfig, methods: Methods, lat: dict, cm) -> dict[str, dict[int, float]]:

@@ -87,8 +87,12 @@ def feature_speedup(target: Latency, drafting: dict, batch: int, shape: dict, ta
     """A feature head's dynamic tree: a catch-up head pass, depth-1 expansions, then the target verifies
     nodes+1 tokens. `drafting` = {"catch_up": ms, "expand": ms, "host": ms} timed at `batch` rows (`host`:
     the draft step's work beyond its passes; 0 in reports from before it was timed)."""
-    draft_ms = drafting["catch_up"] + (shape["depth"] - 1) * drafting["expand"] + drafting.get("host", 0.0)
-    return tau * target(batch, 1) / (target(batch, shape["nodes"] + 1) + draft_ms)
+    return tau * target(batch, 1) / (target(batch, shape["nodes"] + 1) + drafting_ms(drafting, shape["depth"]))
+
+
+def drafting_ms(t: dict, depth: int) -> float:
+    """A feature head's whole draft step from its timings {catch_up, expand, host} (`host`: 0 where not timed)."""
+    return t["catch_up"] + (depth - 1) * t["expand"] + t.get("host", 0.0)
 
 
 def draft_step_ms(target: Latency, draft: Latency, batch: int, k: int) -> float:
