@@ -215,8 +215,40 @@ def test_the_chunk_fills_what_the_target_leaves_and_a_missed_target_is_said_once
         budget.tokens(4, 1)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and "cannot be kept" in warnings[0].getMessage()  # once per spell, not per step
-    budget.observe(0.030, 0, rows=1)  # a measured step of one row alone replaces the curve's
+    budget.observe(0.030, 0, rows=1, width=1)  # a measured step of one row alone replaces the curve's
     assert budget.step_target(1, 50.0) == 60.0
+
+
+def test_a_target_with_room_for_few_tokens_is_kept_with_small_chunks_and_not_called_missed(caplog):
+    # A slow CPU: one stream's step alone is 30 ms and a prompt token costs 2.7 ms, so a 2x target leaves room
+    # for 11 tokens. The chunk must be those 11 (not MIN_CHUNK, which would make the step 73 ms), and the
+    # target is being kept, so nothing may say it is missed, at any step.
+    curve = lambda b, t: 30.0 * b + 2.7 * (t - 1)
+    budget = PrefillBudget("auto", None, curve, target=Target(factor=2))
+    for _ in range(4):
+        budget.observe(0.030, 0, rows=1, width=1)  # the stream's steps alone, measured before the prompt came
+    chunks = []
+    with caplog.at_level(logging.INFO, logger="medusa.serve.prefill"):
+        for _ in range(20):
+            chunks.append(budget.tokens(1, 1))
+            assert not budget.missed
+            budget.observe((30.0 + 2.7 * chunks[-1]) / 1000, chunks[-1], rows=1, width=1)  # the pass the chunk made
+    assert max(chunks) == chunks[-1] == int(30.0 / 2.7) < MIN_CHUNK  # never past the target, and up to it
+    assert not caplog.records
+    budget.observe(0.213, 0, rows=1, width=1)  # one slow pass alone (a prompt joining): the target holds
+    budget.observe(0.090, 0, rows=1, width=4)  # a pass of another width is not this stream's step
+    assert budget.step_target(1, 30.0) == 60.0 and budget.tokens(1, 1) == int(30.0 / 2.7)
+    # What small chunks add is learnt from them: tokens that cost twice as much halve the chunk.
+    for _ in range(30):
+        chunk = budget.tokens(1, 1)
+        budget.observe((30.0 + 5.4 * chunk) / 1000, chunk, rows=1, width=1)
+    assert budget.token_ms == pytest.approx(5.4, rel=0.05) and budget.tokens(1, 1) == int(30.0 / 5.4)
+    # Room for less than one token: missed, said once, and prompts still advance.
+    slow = PrefillBudget("auto", None, lambda b, t: 30.0 * b + 40.0 * t, target=Target(ms=60.0))
+    with caplog.at_level(logging.INFO, logger="medusa.serve.prefill"):
+        slow_chunks = [slow.tokens(2, 1) for _ in range(5)]
+        assert slow.missed and slow_chunks == [int(slow.curve(2, 1) / slow.token_ms)] * 5 and slow_chunks[0] >= 1
+    assert [r.levelno for r in caplog.records].count(logging.WARNING) == 1
 
 
 def test_a_missed_target_shows_in_metrics(rt):

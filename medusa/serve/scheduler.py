@@ -285,21 +285,23 @@ class Scheduler:
         seconds = time.perf_counter() - start
         decision, proposer = self.policy.chosen
         self.metrics.failures.labels("proposer").inc(self.policy.failures - failures)
-        self.budget.observe(seconds, prefill, n)
         self.width = proposer.max_nodes if proposer is not None else 1
+        if not (prefill and self.prefilling is None):  # the step that ended a prompt also ran its join: not a price
+            self.budget.observe(seconds, prefill, n, self.width)
         if self.fault is not None:
             self._recovered("a decode step succeeded")
-        self._record(decision, proposer, out, n, seconds)
+        self._record(decision, proposer, out, n, seconds, prefill)
         self._deliver(out)
 
     def _record(self, decision: Decision, proposer: Proposer | None, out: StepOutput, rows: int,
-                seconds: float) -> None:
+                seconds: float, prefill: int = 0) -> None:
         """The step's metrics (the policy heard of the step from the engine)."""
         self.steps += 1
         self.metrics.observe_step(decision.mode, MODES, seconds, out.accepted_list if proposer is not None else None,
                                   proposer)
-        log.debug("step %d: %s%s rows=%d tau=%.2f %.1f ms", self.steps, decision.mode,
-                  f" {decision.tree}" if decision.tree else "", rows, out.tau, 1000 * seconds)
+        log.debug("step %d: %s%s rows=%d tau=%.2f prefill=%d target=%s %.1f ms", self.steps, decision.mode,
+                  f" {decision.tree}" if decision.tree else "", rows, out.tau, prefill,
+                  f"{self.budget.target_ms:.1f}" if self.budget.target_ms is not None else "-", 1000 * seconds)
 
     # ---- results ------------------------------------------------------------------------------------
     def _deliver(self, out: StepOutput) -> None:
