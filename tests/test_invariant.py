@@ -271,6 +271,47 @@ def test_the_probe_notices_a_broken_order(monkeypatch):
         invariant.probe.cache_clear()
 
 
+class NarrowRoundsOtherwise(InOrder):
+    """In-order kernels, except that a product with fewer than 12 columns rounds otherwise (by a last-bit-sized
+    step), as AMD Zen 4's narrow fp32 kernels do."""
+
+    @staticmethod
+    def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = InOrder.matmul(a, b)
+        return out * (1 + 2 ** -20) if b.shape[-1] < 12 else out
+
+
+@needs_projections(torch.float32)  # the probe checks the projections first
+def test_the_attention_pads_narrow_products_to_the_kernels_that_keep_the_order(monkeypatch):
+    """A decode step's query is a few columns (heads per KV group x tokens), a tree's many: with kernels that
+    round narrow products otherwise, the attention still gives a query the same bits alone, in a batch and as
+    a tree node (the probe's comparison), because it never runs a narrow product."""
+    monkeypatch.setattr(invariant, "torch", NarrowRoundsOtherwise())
+    invariant.probe.cache_clear()
+    try:
+        assert invariant.probe("cpu", torch.float32) is None
+    finally:
+        invariant.probe.cache_clear()
+
+
+def test_a_lone_row_runs_as_two_rows_under_invariance(monkeypatch):
+    """Some CPUs (AMD Zen 4) give a one-row product a matrix-vector kernel that rounds a long reduction unlike
+    the same row's among others: with a row block set (invariance on) a lone row never reaches it."""
+    import torch.nn.functional as F
+
+    from medusa.decoding.linear import Linear
+
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: real(x, w, b) * (1 + 2 ** -10 * (x.numel() == x.shape[-1])))
+    proj = Linear(torch.nn.Linear(16, 8), pack=False)
+    x, other = torch.randn(5, 1, 16), torch.randn(5, 1, 8)
+    together, together_plus = proj(x.view(1, 5, 16)).view(5, 1, 8), proj.plus(x.view(1, 5, 16), other.view(1, 5, 8))
+    assert not torch.equal(torch.cat([proj(r[None]) for r in x]), together)  # the emulated kernel bites
+    proj.row_block = invariant.ROW_BLOCK
+    assert torch.equal(torch.cat([proj(r[None]) for r in x]), together)
+    assert torch.equal(torch.cat([proj.plus(r[None], o[None]) for r, o in zip(x, other)]), together_plus.view(5, 1, 8))
+
+
 @pytest.fixture(scope="module")
 def bf16_rt():
     from medusa.runtime import Runtime

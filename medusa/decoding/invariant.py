@@ -9,8 +9,9 @@ last-bit difference into a visible one, and greedy decoding then parts from plai
 
 This attention keeps every reduction in a fixed order (`probe` checks that the machine's kernels give it):
 
-- scores: fp32 matmuls with at least MIN_ROWS query rows (padded), where each score is the same chain of
-  multiply-adds over the head dimension whatever the shape;
+- scores: fp32 matmuls with keys along the rows and at least MIN_ROWS query columns (padded with zeros),
+  where each score is the same chain of multiply-adds over the head dimension whatever the shape (narrower
+  products take other kernels: below 12 columns on AMD Zen 4);
 - softmax: the exact row maximum, then exp elementwise;
 - values: keys are summed in groups of GROUP *canonical* positions: a committed key's own position, a tree
   node's the position it will have once accepted (its row's length plus its depth). Within a group the
@@ -21,7 +22,9 @@ This attention keeps every reduction in a fixed order (`probe` checks that the m
 The linear layers need one thing more: oneDNN's bf16 kernels give a row the same bits in a matmul of any
 number of rows up to about 130, but above that (a batched prefill) they may split a long reduction
 (1,536 inputs here) into blocks in an order that depends on the number of rows. With invariance on, every
-projection runs at most ROW_BLOCK rows per matmul (`medusa.decoding.linear.Linear.row_block`).
+projection runs at most ROW_BLOCK rows per matmul (`medusa.decoding.linear.Linear.row_block`), and never one
+row alone: some CPUs (AMD Zen 4) give a one-row product a matrix-vector kernel that rounds a long reduction
+otherwise, so a lone row runs as two copies of itself.
 
 Committed keys and prompt chunks sit at their canonical positions already: their groups are the cache's own
 blocks of GROUP slots, read in place. Only a tree's nodes can sit in a later block than their group (a node
@@ -35,6 +38,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 MIN_ROWS = 16  # fp32 matmuls with fewer rows take other kernels, with other rounding
 GROUP = 64  # canonical positions per group of keys; cache windows are read in whole groups
@@ -106,16 +110,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: InvariantPla
     kvh, w = k.shape[1], k.shape[2]
     g, nb = h // kvh, w // GROUP
     m = g * t
+    mp = max(m, MIN_ROWS)  # query columns, padded: narrower products take other kernels (below 12 on AMD Zen 4)
     qt = q.float().reshape(b, t, kvh, g, d).permute(0, 2, 4, 3, 1).reshape(b, kvh, d, m) * scale
-    s = torch.matmul(k.float(), qt) + p.bias  # [B, KV, W, M]
+    s = torch.matmul(k.float(), F.pad(qt, (0, mp - m))) + F.pad(p.bias, (0, mp - m))  # [B, KV, W, Mp]
     e = (s - s.amax(2, keepdim=True)).exp_()
     vo = torch.ones(b, kvh, w, d + 1, device=q.device)
     vo[..., :d] = v  # [B, KV, W, D + 1]: values, then a one
-    part = torch.matmul(vo.view(b, kvh, nb, GROUP, d + 1).transpose(-1, -2), e.view(b, kvh, nb, GROUP, m))
-    if p.tail is not None:  # part [B, KV, nb, D + 1, M]: each group's sums, one chain apiece
+    part = torch.matmul(vo.view(b, kvh, nb, GROUP, d + 1).transpose(-1, -2), e.view(b, kvh, nb, GROUP, mp))
+    if p.tail is not None:  # part [B, KV, nb, D + 1, Mp]: each group's sums, one chain apiece
         tail_sums(e, vo, p.tail, part)
     chain = torch.ones(MIN_ROWS, nb, device=q.device)
-    total = torch.matmul(chain, part.view(b, kvh, nb, (d + 1) * m))[:, :, 0].view(b, kvh, d + 1, m)
+    total = torch.matmul(chain, part.view(b, kvh, nb, (d + 1) * mp))[:, :, 0].view(b, kvh, d + 1, mp)[..., :m]
     o = total[:, :, :d] / total[:, :, d:]  # groups added in order, then normalised
     return o.view(b, kvh, d, g, t).permute(0, 4, 1, 3, 2).reshape(b, t, h * d).to(q.dtype)
 
