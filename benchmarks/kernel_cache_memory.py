@@ -21,7 +21,7 @@ import json, sys
 from medusa.decoding.hardware import limit_kernel_caches
 caps = limit_kernel_caches(None if sys.argv[1] == "default" else int(sys.argv[1]))
 import torch
-from medusa.decoding.linear import packed_linear
+from medusa.decoding.kernels import packed_linear
 from medusa.serve.memory import MALLOC_TRIM, resident_bytes
 torch.set_num_threads(1)
 n_in, n_out, shapes = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])

@@ -25,7 +25,7 @@ import torch
 from conftest import hf_greedy, mixed_prompts, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers import MedusaProposer, StaticProposer
-from medusa.decoding.linear import pack_weights
+from medusa.decoding.kernels import pack_weights
 from medusa.decoding.transformer import RMSNorm, Transformer, attention_dtype, cache_dtype, mirrored_norm
 from medusa.decoding.tree import chain, load_tree
 from medusa.decoding.verifier import RowTrees

@@ -173,7 +173,7 @@ def test_remove_cancels_a_row():
 
 @pytest.mark.parametrize("pack", [False, True])
 def test_linear_and_fused_residual_match_reference(pack):
-    from medusa.decoding.linear import Linear, packing_available
+    from medusa.decoding.kernels import Linear, packing_available
 
     lin = torch.nn.Linear(64, 300, bias=True).to(torch.bfloat16)
     if pack and not packing_available(lin.weight):
@@ -343,7 +343,7 @@ def test_rotary_table_gives_the_rotary_embeddings_own_values(dtype):
 def test_one_row_pass_mask_from_slices_is_the_general_mask():
     """A single row's mask built from slices (its length known as a number) equals the general one: a pass
     that is its own block, a feature-head expansion seeing earlier draft entries, a prefix of zero."""
-    from medusa.decoding.attention import pass_mask
+    from medusa.decoding.kernels import pass_mask
 
     gen = torch.Generator().manual_seed(0)
     for start, t, used, window_extra in [(7, 1, 0, 0), (7, 5, 0, 0), (12, 4, 8, 3), (0, 3, 0, 2), (30, 8, 16, 0)]:

@@ -15,7 +15,7 @@ import torch
 
 from conftest import accepted_drafts, mixed_prompts, random_heads, tiny_model
 from medusa.decoding import invariant
-from medusa.decoding.attention import pass_mask
+from medusa.decoding.kernels import pass_mask
 from medusa.decoding.engine import Engine
 from medusa.decoding.transformer import RMSNorm, Transformer, causal
 from medusa.errors import MedusaError
@@ -299,7 +299,7 @@ def test_a_lone_row_runs_as_two_rows_under_invariance(monkeypatch):
     the same row's among others: with a row block set (invariance on) a lone row never reaches it."""
     import torch.nn.functional as F
 
-    from medusa.decoding.linear import Linear
+    from medusa.decoding.kernels import Linear
 
     real = F.linear
     monkeypatch.setattr(F, "linear", lambda x, w, b=None: real(x, w, b) * (1 + 2 ** -10 * (x.numel() == x.shape[-1])))

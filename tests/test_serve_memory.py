@@ -63,7 +63,7 @@ def test_a_cap_on_the_kernel_caches_bounds_what_new_shapes_hold():
 
     import torch
 
-    from medusa.decoding.linear import packing_available
+    from medusa.decoding.kernels import packing_available
 
     if not packing_available(torch.zeros(2, 2)):
         pytest.skip("no oneDNN weight packing on this machine: layers use F.linear, which keeps no kernel per shape")

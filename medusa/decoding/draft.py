@@ -30,9 +30,8 @@ import torch
 
 from medusa.errors import MedusaError
 from medusa.io import ASSETS
-from medusa.decoding.linear import packed_linear, rows_linear
-from medusa.decoding.proposers import RowState, StaticProposer
-from medusa.decoding.ragged import aux_state, catch_up, common_prefix, context
+from medusa.decoding.kernels import packed_linear, rows_linear
+from medusa.decoding.proposers import RowState, StaticProposer, aux_state, catch_up, common_prefix, context
 from medusa.decoding.transformer import KVCache, Transformer, causal
 from medusa.decoding.tree import chain
 from medusa.decoding.verifier import argmax

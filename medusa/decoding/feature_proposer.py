@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from medusa.decoding.dynamic_tree import DEFAULT_TOPK, NEG, Growth, Pool, TreeShape, expand, pool_size
 from medusa.decoding.feature_heads import FeatureHead
 from medusa.decoding.feature_runner import DraftBlock, FeatureState, HeadRunner, LayerTaps
-from medusa.decoding.proposers import GrowingProposer
-from medusa.decoding.ragged import aux_state, catch_up, common_prefix, context, rewound
+from medusa.decoding.proposers import GrowingProposer, aux_state, catch_up, common_prefix, context, rewound
 from medusa.decoding.transformer import Transformer, causal
 from medusa.decoding.tree import build_tree, expected_tau
 from medusa.decoding.verifier import ACCEPT_REJECTION, sample_from

@@ -19,8 +19,7 @@ from torch import nn
 from medusa.decoding.feature_heads import FeatureHead
 from medusa.decoding.proposers import RowState
 from medusa.errors import MedusaError
-from medusa.decoding.attention import LayerInputs, pass_mask, short_block_bias
-from medusa.decoding.linear import packed_linear, rows_linear
+from medusa.decoding.kernels import LayerInputs, packed_linear, pass_mask, rows_linear, short_block_bias
 from medusa.decoding.transformer import (SHORT_BLOCK, DecoderLayer, KVCache, RMSNorm, RotaryTable, Transformer,
                                          attention_dtype, cache_dtype)
 

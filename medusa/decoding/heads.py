@@ -160,7 +160,7 @@ class MedusaHeads(nn.Module):
         """The shared base lm_head's rows of the candidate ids as one packed projection (row i scores
         candidate_ids[i]); built on first use, rebuilt after the candidates or the projection change."""
         if self._candidate_proj is None:
-            from medusa.decoding.linear import packed_linear, rows_linear
+            from medusa.decoding.kernels import packed_linear, rows_linear
 
             self._candidate_proj = packed_linear(rows_linear(self.base_lm_head.weight, self.candidate_ids))
         return self._candidate_proj

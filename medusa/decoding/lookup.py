@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from medusa.errors import MedusaError
-from medusa.decoding.proposers import StaticProposer
-from medusa.decoding.ragged import context
+from medusa.decoding.proposers import StaticProposer, context
 from medusa.decoding.tree import chain
 
 if TYPE_CHECKING:

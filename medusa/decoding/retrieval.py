@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING, Hashable
 import torch
 
 from medusa.decoding.dynamic_tree import NEG, Growth, Pool, stand_in_tree
-from medusa.decoding.proposers import GrowingProposer, Proposer, RowState
-from medusa.decoding.ragged import aux_state, context
+from medusa.decoding.proposers import GrowingProposer, Proposer, RowState, aux_state, context
 from medusa.decoding.suffix import Datastore, Matcher, SuffixAutomaton
 from medusa.decoding.verifier import RowTrees
 from medusa.errors import MedusaError

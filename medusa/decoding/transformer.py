@@ -18,8 +18,7 @@ from torch import nn
 
 from medusa.errors import MedusaError
 from medusa.decoding import invariant
-from medusa.decoding.attention import LayerInputs, attention, pass_mask, short_block_bias
-from medusa.decoding.linear import Linear, fuse, packed_linear
+from medusa.decoding.kernels import LayerInputs, Linear, attention, fuse, packed_linear, pass_mask, short_block_bias
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 

@@ -274,8 +274,7 @@ class Scheduler:
                             "server_error", None)
 
     def _decode(self, prefill: int = 0) -> None:
-        """One decode step over the running rows in the policy's mode (`Engine.policy_step`), carrying
-        `prefill` tokens of the chunked prompt."""
+        """One decode step over the running rows (`Engine.policy_step`), carrying `prefill` chunked-prompt tokens."""
         with self.admission.cond:
             self.policy.waiting(len(self.admission))
         n, failures = self.batch.n, self.policy.failures
@@ -293,15 +292,14 @@ class Scheduler:
         self._record(decision, proposer, out, n, seconds, prefill)
         self._deliver(out)
 
-    def _record(self, decision: Decision, proposer: Proposer | None, out: StepOutput, rows: int,
-                seconds: float, prefill: int = 0) -> None:
+    def _record(self, decision: Decision, proposer: Proposer | None, out: StepOutput, rows: int, seconds: float,
+                prefill: int = 0) -> None:
         """The step's metrics (the policy heard of the step from the engine)."""
         self.steps += 1
         self.metrics.observe_step(decision.mode, MODES, seconds, out.accepted_list if proposer is not None else None,
                                   proposer)
-        log.debug("step %d: %s%s rows=%d tau=%.2f prefill=%d target=%s %.1f ms", self.steps, decision.mode,
-                  f" {decision.tree}" if decision.tree else "", rows, out.tau, prefill,
-                  f"{self.budget.target_ms:.1f}" if self.budget.target_ms is not None else "-", 1000 * seconds)
+        log.debug("step %d: %s %s rows=%d tau=%.2f prefill=%d target=%s ms %.1f ms", self.steps, decision.mode,
+                  decision.tree or "", rows, out.tau, prefill, self.budget.target_ms, 1000 * seconds)
 
     # ---- results ------------------------------------------------------------------------------------
     def _deliver(self, out: StepOutput) -> None:
