@@ -23,7 +23,7 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    from medusa.decoding.hardware import provenance
+    from medusa.decoding.target.hardware import provenance
     from medusa.prompts import load_prompts
     from medusa.runtime import Runtime
     from medusa.runtime.feature import feature_proposer

@@ -60,7 +60,7 @@ def continuous(engine, prompts: list[list[int]], new: int, proposer, size: int) 
     """Each prompt's tokens when `size` rows decode at a time and the next prompt joins the running batch
     (its own prefill pass) as soon as a row leaves; prompts get different token limits (new, 3/4 new, new/2),
     so rows leave at different steps."""
-    from medusa.decoding.transformer import cache_capacity
+    from medusa.decoding.target.transformer import cache_capacity
 
     limits = [max(1, new * (4 - i % 3) // 4) for i in range(len(prompts))]
     batch = engine.new_batch(size, cache_capacity(max(map(len, prompts)), new, proposer.span if proposer else 1),
@@ -154,7 +154,7 @@ def speed(rt, prompts, new: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from medusa.decoding.hardware import machine
+    from medusa.decoding.target.hardware import machine
     from medusa.runtime import Runtime
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

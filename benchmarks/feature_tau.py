@@ -34,9 +34,9 @@ def trained_tokens(head_dir: Path) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from medusa.decoding.feature_heads import FeatureHead
-    from medusa.decoding.dynamic_tree import parse_shape
-    from medusa.decoding.feature_proposer import FeatureProposer
+    from medusa.decoding.proposers.feature_heads import FeatureHead
+    from medusa.decoding.trees.dynamic_tree import parse_shape
+    from medusa.decoding.proposers.feature_proposer import FeatureProposer
     from medusa.prompts import load_prompts
     from medusa.runtime import Runtime
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         import platform
 
-        from medusa.decoding.hardware import provenance
+        from medusa.decoding.target.hardware import provenance
         from medusa.io import write_json_atomic
 
         out = {**provenance(rt.dtype.name, machine_=rt.machine),

@@ -29,10 +29,10 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    from medusa.decoding.dynamic_tree import parse_shape
-    from medusa.decoding.feature_heads import FeatureHead
-    from medusa.decoding.feature_proposer import FeatureProposer, expected_tau_dynamic
-    from medusa.decoding.tree import build_tree
+    from medusa.decoding.trees.dynamic_tree import parse_shape
+    from medusa.decoding.proposers.feature_heads import FeatureHead
+    from medusa.decoding.proposers.feature_proposer import FeatureProposer, expected_tau_dynamic
+    from medusa.decoding.trees.tree import build_tree
     from medusa.prompts import load_prompts
     from medusa.runtime import Runtime
     from medusa.train.data import load_examples, split_groups
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         out[name] = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "measured": round(measured, 3),
                      **stats(texts)}
         print(name, out[name], f"{time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
-    from medusa.decoding.hardware import provenance
+    from medusa.decoding.target.hardware import provenance
 
     out["machine"] = provenance(rt.dtype.name, machine_=rt.machine)["machine"]
     print(json.dumps(out, indent=2))

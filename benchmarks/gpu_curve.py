@@ -61,7 +61,7 @@ def int_list(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from medusa.decoding.hardware import TORCH_DTYPES
+    from medusa.decoding.target.hardware import TORCH_DTYPES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a small model and a few grid points (runs on CPU)")
@@ -137,7 +137,7 @@ def machine(device: torch.device) -> dict:
         return {"device": "cuda", "name": props.name, "capability": f"{props.major}.{props.minor}",
                 "memory_gib": round(props.total_memory / 2**30, 1), "cuda": torch.version.cuda,
                 "torch": torch.__version__}
-    from medusa.decoding.hardware import cpu_name
+    from medusa.decoding.target.hardware import cpu_name
 
     return {"device": "cpu", "name": cpu_name() or platform.machine(),
             "threads": torch.get_num_threads(), "torch": torch.__version__}
@@ -149,11 +149,11 @@ def _oom(exc: BaseException) -> bool:
 
 def measure(args, acc: dict, shape) -> dict:
     from medusa.runtime.timing import measure_forward, measure_heads
-    from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
-    from medusa.decoding.feature_runner import HeadRunner, draft_pass_ms
-    from medusa.decoding.heads import HeadsConfig, MedusaHeads
-    from medusa.decoding.hardware import TORCH_DTYPES
-    from medusa.decoding.transformer import Transformer
+    from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
+    from medusa.decoding.proposers.feature_runner import HeadRunner, draft_pass_ms
+    from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
+    from medusa.decoding.target.hardware import TORCH_DTYPES
+    from medusa.decoding.target.transformer import Transformer
 
     dtype, dev = TORCH_DTYPES[args.dtype], args.device
     start = time.perf_counter()
@@ -247,7 +247,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from medusa.decoding.dynamic_tree import parse_shape
+    from medusa.decoding.trees.dynamic_tree import parse_shape
 
     args = parse_args(argv)
     acc = acceptance(args.eval_json)

@@ -1,5 +1,5 @@
 """Resident memory a packed linear layer adds per matrix shape it meets, with the compiled-kernel caches
-capped or not (`medusa serve --kernel-cache-entries`, `medusa.decoding.hardware.limit_kernel_caches`).
+capped or not (`medusa serve --kernel-cache-entries`, `medusa.decoding.target.hardware.limit_kernel_caches`).
 
 Each setting runs in a fresh process (the caps take effect only before the first oneDNN kernel): one
 packed layer of `--features IN OUT`, then `--shapes` passes of 2, 3, ... rows, twice over; RSS is read
@@ -18,10 +18,10 @@ from pathlib import Path
 
 CHILD = """
 import json, sys
-from medusa.decoding.hardware import limit_kernel_caches
+from medusa.decoding.target.hardware import limit_kernel_caches
 caps = limit_kernel_caches(None if sys.argv[1] == "default" else int(sys.argv[1]))
 import torch
-from medusa.decoding.kernels import packed_linear
+from medusa.decoding.target.kernels import packed_linear
 from medusa.serve.memory import MALLOC_TRIM, resident_bytes
 torch.set_num_threads(1)
 n_in, n_out, shapes = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--caps", default="default,256,64,8")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from medusa.decoding.hardware import machine
+    from medusa.decoding.target.hardware import machine
 
     rows = {cap: measure(cap, *args.features, args.shapes) for cap in args.caps.split(",")}
     for cap, r in rows.items():

@@ -39,7 +39,7 @@ import httpx
 
 from server_process import ServerProcess
 
-from medusa.decoding.hardware import provenance
+from medusa.decoding.target.hardware import provenance
 from medusa.io import write_json_atomic
 
 # What each server changes from the default config (chunked prefill, auto budget, the step-time target 2x).

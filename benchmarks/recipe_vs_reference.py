@@ -136,9 +136,9 @@ def run_reference(python: str, base: Path, config: Path, data: Path, out: Path, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from medusa.decoding.feature_formats import eagle_config
-    from medusa.decoding.feature_heads import FeatureHead
-    from medusa.decoding.model import load_target
+    from medusa.decoding.proposers.feature_formats import eagle_config
+    from medusa.decoding.proposers.feature_heads import FeatureHead
+    from medusa.decoding.target.model import load_target
     from medusa.train import checkpoint as ckpt
     from medusa.train.feature import (chunk_groups, evaluate_head, load_feature_config, training_features,
                                       run_feature_training)
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<22} steps {h['steps']:>5}  {h['train_seconds']:>7.0f} s  held-out top-1 [{top1}]  tau "
               + "  ".join(f"{Path(p).stem} {t:.2f}" for p, t in h["tau"].items()))
     if args.json:
-        from medusa.decoding.hardware import provenance
+        from medusa.decoding.target.hardware import provenance
         from medusa.io import write_json_atomic
 
         result = {**provenance(cfg.dtype, threads=args.threads), "config": args.config,

@@ -1,4 +1,4 @@
-"""How often a retrieval draft is right, by match length: the table `medusa.decoding.retrieval` scores
+"""How often a retrieval draft is right, by match length: the table `medusa.decoding.proposers.retrieval` scores
 its branches with.
 
 Reads distilled answers (the target's own greedy output, so a draft that agrees with it is exactly a draft
@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from medusa.decoding.retrieval import MATCH_BUCKETS, match_bucket
-from medusa.decoding.suffix import SuffixAutomaton
+from medusa.decoding.proposers.retrieval import MATCH_BUCKETS, match_bucket
+from medusa.decoding.proposers.suffix import SuffixAutomaton
 
 
 def measure(pairs, k: int, depth: int, store=None) -> dict:
@@ -67,7 +67,7 @@ def measure(pairs, k: int, depth: int, store=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from medusa.decoding.hardware import provenance
+    from medusa.decoding.target.hardware import provenance
     from medusa.io import write_json_atomic
     from medusa.train.distill import load_shards
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [(list(p), list(r)) for _, ds in shards for p, r in zip(ds["prompt_ids"], ds["response_ids"])]
     store = None
     if args.datastore:
-        from medusa.decoding.suffix import Datastore
+        from medusa.decoding.proposers.suffix import Datastore
 
         store = Datastore.load(args.datastore)
     out = measure(pairs, args.k, args.depth, store)

@@ -18,7 +18,7 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    from medusa.decoding.hardware import provenance
+    from medusa.decoding.target.hardware import provenance
     from medusa.io import write_json_atomic
     from medusa.prompts import load_prompts
     from medusa.runtime import Runtime

@@ -20,8 +20,8 @@ import sys
 
 import torch
 
-from medusa.decoding.hardware import provenance
-from medusa.decoding.transformer import causal
+from medusa.decoding.target.hardware import provenance
+from medusa.decoding.target.transformer import causal
 from medusa.io import write_json_atomic
 
 ROWS = [2, 4, 8, 16, 32, 64]
@@ -56,7 +56,7 @@ def linear_rows(model, g: torch.Generator) -> dict[str, dict]:
 def attention_rows(model, g: torch.Generator, window: int = 96) -> dict[str, dict]:
     """One query row over its cached window: the one-token path (fused kernel, no mask) and the short-block
     matmul path alone, against the matmul path inside passes of M rows (K/V in fp32 and in the model dtype)."""
-    from medusa.decoding.kernels import attention, pass_mask, short_block_bias
+    from medusa.decoding.target.kernels import attention, pass_mask, short_block_bias
 
     h, kvh, d = model.n_heads, model.n_kv, model.head_dim
     scale = model.layers[0].scale

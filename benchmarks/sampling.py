@@ -13,8 +13,8 @@ import statistics
 
 import torch
 
-from medusa.decoding.draft import DraftProposer, load_draft
-from medusa.decoding.hardware import provenance
+from medusa.decoding.proposers.draft import DraftProposer, load_draft
+from medusa.decoding.target.hardware import provenance
 from medusa.io import write_json_atomic
 from medusa.prompts import load_prompts
 from medusa.runtime import Runtime

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 from server_process import ServerProcess
 
-from medusa.decoding.hardware import auto_dtype, machine, provenance
+from medusa.decoding.target.hardware import auto_dtype, machine, provenance
 from medusa.io import write_json_atomic
 
 TOPICS = ["the harbour", "the ferry", "the fish market", "the lighthouse", "the tides", "the boatyard",

@@ -33,7 +33,7 @@ import yaml
 
 from server_process import ServerProcess, counter
 
-from medusa.decoding.hardware import provenance
+from medusa.decoding.target.hardware import provenance
 from medusa.io import write_json_atomic
 
 POLICIES = {"on": "heads", "off": "plain", "dynamic": "dynamic"}

@@ -30,8 +30,8 @@ def judge_mismatches(args: argparse.Namespace, mismatches: list[dict], solo: dic
     prompt + the common prefix of the two answers, and measure the batch-shape rounding itself."""
     import torch
 
-    from medusa.decoding.hardware import resolve_dtype
-    from medusa.decoding.model import load_target
+    from medusa.decoding.target.hardware import resolve_dtype
+    from medusa.decoding.target.model import load_target
 
     dtype = resolve_dtype(args.dtype, torch.device("cpu")).torch
     model, _ = load_target(args.model, dtype, torch.device("cpu"))
@@ -73,7 +73,7 @@ def judge_mismatches(args: argparse.Namespace, mismatches: list[dict], solo: dic
 
 
 def cpu_info() -> dict:
-    from medusa.decoding.hardware import cpu_flags, cpu_name
+    from medusa.decoding.target.hardware import cpu_flags, cpu_name
 
     return {"model": cpu_name(), "avx512_bf16": "avx512_bf16" in cpu_flags(), "cores": os.cpu_count()}
 
@@ -86,7 +86,7 @@ def pct(values: list[float], q: float) -> float | None:
 
 def build_report(args: argparse.Namespace, t: Tally, warm: Tally, elapsed: float, health: dict,
                  rss_before: float, rss_after: float, metrics: dict, log_tail: str, greedy: dict) -> dict:
-    from medusa.decoding.hardware import provenance
+    from medusa.decoding.target.hardware import provenance
 
     growth = (rss_after - rss_before) / rss_before
     near_ties = sum(j["near_tie"] for j in greedy["judged"])

@@ -32,15 +32,15 @@ import torch
 # (label, owner, method); drafting's parts are nested inside `draft`.
 PHASES = [
     ("step", "medusa.decoding.engine:Engine", "step"),
-    ("target pass", "medusa.decoding.transformer:Transformer", "forward"),
+    ("target pass", "medusa.decoding.target.transformer:Transformer", "forward"),
     ("verify", "medusa.decoding.verifier:Verifier", "verify"),
-    ("feature bookkeeping", "medusa.decoding.feature_runner:FeatureState", "committed"),
+    ("feature bookkeeping", "medusa.decoding.proposers.feature_runner:FeatureState", "committed"),
     ("draft", "medusa.decoding.engine:Engine", "draft"),
-    ("draft/head layer", "medusa.decoding.feature_runner:HeadRunner", "forward"),
-    ("draft/head vocabulary", "medusa.decoding.feature_runner:HeadRunner", "logits"),
-    ("draft/head inputs", "medusa.decoding.feature_runner:HeadRunner", "inputs"),
-    ("draft/tree nodes", "medusa.decoding.dynamic_tree:Pool", "trees"),
-    ("draft/retrieval", "medusa.decoding.retrieval:Retriever", "chains"),
+    ("draft/head layer", "medusa.decoding.proposers.feature_runner:HeadRunner", "forward"),
+    ("draft/head vocabulary", "medusa.decoding.proposers.feature_runner:HeadRunner", "logits"),
+    ("draft/head inputs", "medusa.decoding.proposers.feature_runner:HeadRunner", "inputs"),
+    ("draft/tree nodes", "medusa.decoding.trees.dynamic_tree:Pool", "trees"),
+    ("draft/retrieval", "medusa.decoding.proposers.retrieval:Retriever", "chains"),
 ]
 TOP = ["target pass", "target lm_head", "verify", "feature bookkeeping", "draft"]
 NESTED = ["draft/head layer", "draft/head vocabulary", "draft/head inputs", "draft/tree nodes", "draft/retrieval"]
@@ -91,7 +91,7 @@ class Timers:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from medusa.decoding.hardware import provenance
+    from medusa.decoding.target.hardware import provenance
     from medusa.eval.driver import run_engine
     from medusa.io import write_json_atomic
     from medusa.prompts import load_prompts
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in args.shapes.split(",") if s]
     methods = {"plain": None, **{s: method_proposer(rt, args.heads, s) for s in shapes}}
     if args.retrieval:
-        from medusa.decoding.retrieval import MergedProposer
+        from medusa.decoding.proposers.retrieval import MergedProposer
 
         methods = {"plain": None, **{f"{s}+retrieval": MergedProposer(methods[s], rt.retriever()) for s in shapes}}
     n_new, bs = args.max_new_tokens, args.batch_size

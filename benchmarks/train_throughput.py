@@ -181,7 +181,7 @@ def main() -> int:
                            args.sequences, args.vocab_subset)
         key, ratio = "positions_per_s", "cached_over_plain"
         rows.reverse()
-    from medusa.decoding.hardware import machine
+    from medusa.decoding.target.hardware import machine
 
     report = {"machine": machine().to_dict(), "command": " ".join(sys.argv), "rows": rows,
               ratio: round(rows[1][key] / max(rows[0][key], 1e-9), 2)}

@@ -10,7 +10,7 @@ import torch
 
 from medusa.runtime.auto import describe_auto
 from medusa.errors import MedusaError
-from medusa.decoding.hardware import DTYPE_CHOICES
+from medusa.decoding.target.hardware import DTYPE_CHOICES
 from medusa.runtime import Runtime
 from medusa.runtime.args import int_list
 

@@ -32,7 +32,7 @@ def random_heads(model, num_heads: int = 4, num_layers: int = 1, std: float = 0.
     """Medusa heads for `model` with N(0, std) weights, attached: unlike zero-initialised ones they propose
     something other than the model's own next token. `own`: a projection per head; `candidates`: a
     candidate vocabulary."""
-    from medusa.decoding.heads import HeadsConfig, MedusaHeads
+    from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
 
     torch.manual_seed(seed)
     cfg = HeadsConfig(model.config.hidden_size, model.config.vocab_size, num_heads, num_layers, own_lm_head=own)

@@ -9,19 +9,19 @@ import pytest
 import torch
 from conftest import mixed_prompts, random_heads, tiny_model
 
-from medusa.decoding import hardware
+from medusa.decoding.target import hardware
 from medusa.runtime import calibrate
 from medusa.runtime.auto import MARGIN, AutoSpeculation, Plan, candidate_trees, plan
 from medusa.runtime.calibrate import Calibration, load_or_measure
 from medusa.decoding.engine import Engine, StepPolicy
 from medusa.errors import MedusaError
 from medusa.runtime.gate import AcceptanceGate
-from medusa.decoding.hardware import Machine, auto_dtype, resolve_dtype, short_dtype
-from medusa.decoding.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.target.hardware import Machine, auto_dtype, resolve_dtype, short_dtype
+from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
 from medusa.decoding.proposers import MedusaProposer
 from medusa.runtime import Runtime
-from medusa.decoding.transformer import Transformer
-from medusa.decoding.tree import Tree, expected_tau
+from medusa.decoding.target.transformer import Transformer
+from medusa.decoding.trees.tree import Tree, expected_tau
 
 # ---- dtype by hardware ------------------------------------------------------------------------------
 
@@ -385,8 +385,8 @@ def test_slow_planning_closes_the_gate_at_any_batch_size(slow):
 def test_feature_planning_reads_the_curve_and_times_nothing(tmp_path, monkeypatch):
     """Auto mode with a feature head measures the head's draft passes with the target's curve, once per
     machine; planning for every batch size a generation passes through then runs no pass at all."""
-    from medusa.decoding import feature_runner
-    from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
+    from medusa.decoding.proposers import feature_runner
+    from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
     from medusa.runtime import feature, timing
 
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))

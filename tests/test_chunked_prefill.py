@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from conftest import random_heads, tiny_model
-from medusa.decoding.draft import DraftProposer
+from medusa.decoding.proposers.draft import DraftProposer
 from medusa.decoding.engine import Engine
-from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
-from medusa.decoding.dynamic_tree import TreeShape
-from medusa.decoding.feature_proposer import FeatureProposer
-from medusa.decoding.lookup import LookupProposer
+from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
+from medusa.decoding.trees.dynamic_tree import TreeShape
+from medusa.decoding.proposers.feature_proposer import FeatureProposer
+from medusa.decoding.proposers.lookup import LookupProposer
 from medusa.decoding.proposers import MedusaProposer
-from medusa.decoding.retrieval import MergedProposer, Retriever
-from medusa.decoding.tree import load_tree
-from medusa.decoding.transformer import Transformer
+from medusa.decoding.proposers.retrieval import MergedProposer, Retriever
+from medusa.decoding.trees.tree import load_tree
+from medusa.decoding.target.transformer import Transformer
 from medusa.errors import MedusaError
 
 V = 13  # a small vocabulary: drafts are accepted often enough that rows move at different speeds
@@ -141,7 +141,7 @@ def test_the_pending_slot_is_outside_the_active_rows(small):
 def test_a_fused_pass_gives_each_part_what_its_own_pass_gives(small):
     """`forward_parts` (decode rows with their tree, a prompt chunk) = one `forward` per part: hidden states
     and the K/V each part writes (fp32)."""
-    from medusa.decoding.transformer import PassInputs, causal
+    from medusa.decoding.target.transformer import PassInputs, causal
 
     model, engine = small
     tr = engine.model

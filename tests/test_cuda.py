@@ -25,9 +25,9 @@ import torch
 from conftest import hf_greedy, mixed_prompts, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.decoding.proposers import MedusaProposer, StaticProposer
-from medusa.decoding.kernels import pack_weights
-from medusa.decoding.transformer import RMSNorm, Transformer, attention_dtype, cache_dtype, mirrored_norm
-from medusa.decoding.tree import chain, load_tree
+from medusa.decoding.target.kernels import pack_weights
+from medusa.decoding.target.transformer import RMSNorm, Transformer, attention_dtype, cache_dtype, mirrored_norm
+from medusa.decoding.trees.tree import chain, load_tree
 from medusa.decoding.verifier import RowTrees
 
 cuda = pytest.mark.cuda

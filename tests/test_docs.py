@@ -244,7 +244,7 @@ def test_documented_short_commands_run(tmp_path):
     new tokens, `~` a fresh home directory), except those reading what a training or build command elsewhere
     in the pages writes under runs/, or naming a placeholder, a hub model or a named model (a download of a
     GB or more, and as much memory again: not a test's to make)."""
-    from medusa.decoding.model import NAMED_MODELS
+    from medusa.decoding.target.model import NAMED_MODELS
 
     shown = {tuple(args) for page in pages() for lang, body in shell_blocks(page.read_text())
              for command in commands(lang, body) if (args := medusa_args(command)) and args[0] in SHORT}

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from conftest import hf_greedy, mixed_prompts, tiny_model
-from medusa.decoding.draft import DraftProposer, load_draft, save_truncated, truncated_model
+from medusa.decoding.proposers.draft import DraftProposer, load_draft, save_truncated, truncated_model
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.decoding.transformer import Transformer
+from medusa.decoding.target.transformer import Transformer
 
 MAX_NEW = 24
 
@@ -143,7 +143,7 @@ def test_reduced_vocabulary_draft(target, tmp_path):
 @pytest.mark.slow
 def test_embedded_draft_and_lookup_match_plain(embedded):
     """The real model and chat template (fp32): a cut-down draft and prompt lookup change no token."""
-    from medusa.decoding.lookup import LookupProposer
+    from medusa.decoding.proposers.lookup import LookupProposer
 
     rt = embedded
     prompts = rt.encode(["Name three colours.", "Repeat after me: the quick brown fox jumps over the lazy dog.",

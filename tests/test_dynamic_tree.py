@@ -4,9 +4,9 @@ node selection always yields a tree."""
 import pytest
 import torch
 
-from medusa.decoding.dynamic_tree import Pool, row_trees, select_nodes
+from medusa.decoding.trees.dynamic_tree import Pool, row_trees, select_nodes
 from medusa.decoding.verifier import ACCEPT_REJECTION
-from medusa.decoding.tree import Tree, chain
+from medusa.decoding.trees.tree import Tree, chain
 from medusa.decoding.verifier import Candidates, Verifier
 
 STATIC = Tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 0, 0]], name="t")
@@ -118,9 +118,9 @@ def test_selection_keeps_parents_and_dead_nodes_are_never_accepted():
 @pytest.mark.parametrize("batch_size", [1, 2, 5, 8])
 def test_medusa_heads_with_dynamic_trees_match_plain(batch_size):
     from conftest import mixed_prompts, random_heads, tiny_model
-    from medusa.decoding.dynamic_tree import MedusaDynamicProposer
+    from medusa.decoding.trees.dynamic_tree import MedusaDynamicProposer
     from medusa.decoding.engine import Engine
-    from medusa.decoding.transformer import Transformer
+    from medusa.decoding.target.transformer import Transformer
 
     model = tiny_model("llama", vocab=16)
     engine = Engine(Transformer(model), eos_token_ids=None)
@@ -138,7 +138,7 @@ def test_dynamic_tree_ranks_candidates_through_the_heads_own_projections():
     """Heads with a projection each over a candidate vocabulary (vLLM's token_map layout) rank their
     candidates through those projections in a dynamic tree exactly as the static proposer does."""
     from conftest import random_heads, tiny_model
-    from medusa.decoding.dynamic_tree import MedusaDynamicProposer
+    from medusa.decoding.trees.dynamic_tree import MedusaDynamicProposer
 
     model = tiny_model("llama", vocab=16)
     heads = random_heads(model, own=True)

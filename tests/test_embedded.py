@@ -7,10 +7,10 @@ import torch
 
 from conftest import hf_greedy, without_gate
 from medusa.cli import main
-from medusa.decoding.heads import HeadsConfig, MedusaHeads
-from medusa.decoding.model import embedded_gguf, resolve_model_dir
+from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.target.model import embedded_gguf, resolve_model_dir
 from medusa.decoding.proposers import MedusaProposer
-from medusa.decoding.tree import load_tree
+from medusa.decoding.trees.tree import load_tree
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "List three prime numbers and explain why they are prime."]

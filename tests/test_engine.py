@@ -5,10 +5,10 @@ import torch
 
 from conftest import accepted_drafts, hf_greedy, mixed_prompts, random_heads, tiny_model
 from medusa.decoding.engine import Engine
-from medusa.decoding.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
 from medusa.decoding.proposers import MedusaProposer, StaticProposer
-from medusa.decoding.transformer import Transformer
-from medusa.decoding.tree import Tree, chain, load_tree
+from medusa.decoding.target.transformer import Transformer
+from medusa.decoding.trees.tree import Tree, chain, load_tree
 
 MAX_NEW = 24
 # A fixed 16-node, 4-deep tree (the shipped trees follow the trained heads and may change shape).
@@ -173,7 +173,7 @@ def test_remove_cancels_a_row():
 
 @pytest.mark.parametrize("pack", [False, True])
 def test_linear_and_fused_residual_match_reference(pack):
-    from medusa.decoding.kernels import Linear, packing_available
+    from medusa.decoding.target.kernels import Linear, packing_available
 
     lin = torch.nn.Linear(64, 300, bias=True).to(torch.bfloat16)
     if pack and not packing_available(lin.weight):
@@ -242,7 +242,7 @@ def test_forward_matches_hf_logits(arch, dtype, rows):
     """The lean forward (fused projections, rotary in place, the norm's low-precision kernel) gives the
     HF model's logits, for a prompt pass and for the one-token passes of decoding, with K/V kept in fp32
     (small caches on CPU) or in the model dtype."""
-    from medusa.decoding.transformer import FP32_ATTENTION_ROWS
+    from medusa.decoding.target.transformer import FP32_ATTENTION_ROWS
 
     exact = tiny_model(arch, seed=5)
     model = tiny_model(arch, seed=5).to(dtype)
@@ -285,7 +285,7 @@ def test_forward_matches_hf_logits(arch, dtype, rows):
 def test_rmsnorm_matches_hf(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from medusa.decoding.transformer import RMSNorm
+    from medusa.decoding.target.transformer import RMSNorm
 
     hf = LlamaRMSNorm(96, eps=1e-5).to(dtype)
     torch.nn.init.normal_(hf.weight, mean=1.0, std=0.5)
@@ -322,7 +322,7 @@ class RightOrWrong(StaticProposer):
 def test_rotary_table_gives_the_rotary_embeddings_own_values(dtype):
     """Passes read cos/sin from a table filled once; every lookup must be bit-identical to the rotary
     embedding's own output for those positions, also after the table has grown, and for ragged rows."""
-    from medusa.decoding.transformer import RotaryTable, rope_tables
+    from medusa.decoding.target.transformer import RotaryTable, rope_tables
 
     model = tiny_model("llama", seed=1).to(dtype)
     rotary = model.model.rotary_emb
@@ -343,7 +343,7 @@ def test_rotary_table_gives_the_rotary_embeddings_own_values(dtype):
 def test_one_row_pass_mask_from_slices_is_the_general_mask():
     """A single row's mask built from slices (its length known as a number) equals the general one: a pass
     that is its own block, a feature-head expansion seeing earlier draft entries, a prefix of zero."""
-    from medusa.decoding.kernels import pass_mask
+    from medusa.decoding.target.kernels import pass_mask
 
     gen = torch.Generator().manual_seed(0)
     for start, t, used, window_extra in [(7, 1, 0, 0), (7, 5, 0, 0), (12, 4, 8, 3), (0, 3, 0, 2), (30, 8, 16, 0)]:
@@ -378,7 +378,7 @@ def test_releasing_the_source_weights_changes_no_token(arch):
     from conftest import mixed_prompts, tiny_model
 
     from medusa.decoding.engine import Engine
-    from medusa.decoding.transformer import Transformer
+    from medusa.decoding.target.transformer import Transformer
 
     model = tiny_model(arch, seed=5)
     tr = Transformer(model)

@@ -137,7 +137,7 @@ def test_eval_runs_default_flags_batch_invariant_over_several_prompt_sets(tmp_pa
     (max_prompts from each); `--batch-invariant on` reaches the runtime (on a CPU whose kernels cannot give
     invariance it is refused with the flag named, and the run goes on without). Every output is plain
     decoding's."""
-    from medusa.decoding.invariant import probe
+    from medusa.decoding.target.invariant import probe
 
     model_dir, heads_dir, prompts = tiny_checkpoint(tmp_path)
     # Held-out accuracies: auto mode plans from them (and the run records the share of gain it delivered).

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import mixed_prompts, tiny_model
 from medusa.decoding.engine import Engine
-from medusa.decoding.transformer import Transformer
+from medusa.decoding.target.transformer import Transformer
 from medusa.runtime.proposers import BUILDERS, build_proposer
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "engine.md"

@@ -37,7 +37,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 def fake_heads(directory: Path, top1: float, hidden: int = 64, num_heads: int = 3, vocab: int = VOCAB) -> Path:
     """Untrained heads with an eval.json claiming `top1` for head 1 and the trees built from it."""
-    from medusa.decoding.heads import HeadsConfig, MedusaHeads
+    from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
     from medusa.train.outputs import write_trees
 
     MedusaHeads(HeadsConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads)).save(directory)
@@ -97,8 +97,8 @@ def test_shipped_configs_carry_no_export_keys():
 
 # ---- where trees live and how names resolve ------------------------------------------------------------
 def test_shipped_trees_live_with_the_shipped_heads_and_agree_with_their_eval():
-    from medusa.decoding.heads import SHIPPED_DIR, MedusaHeads
-    from medusa.decoding.tree import DEFAULT_TREE, build_tree, load_tree
+    from medusa.decoding.proposers.heads import SHIPPED_DIR, MedusaHeads
+    from medusa.decoding.trees.tree import DEFAULT_TREE, build_tree, load_tree
 
     assert not (REPO / "configs" / "trees").exists()
     acc = json.loads((SHIPPED_DIR / "eval.json").read_text())["rank_accuracy"]
@@ -112,7 +112,7 @@ def test_shipped_trees_live_with_the_shipped_heads_and_agree_with_their_eval():
 
 def test_tree_names_resolve_against_the_heads_own_trees(tiny_model_dir, tmp_path):
     from medusa.runtime import Runtime
-    from medusa.decoding.tree import load_tree
+    from medusa.decoding.trees.tree import load_tree
 
     heads = fake_heads(tmp_path / "heads", 0.9)
     (heads / "trees" / "tree-16.yaml").write_text("paths: [[0], [0, 0], [0, 0, 0]]\n")  # unlike the shipped one
@@ -147,7 +147,7 @@ def test_export_out_copies_heads_trees_and_eval(tmp_path, capsys):
 @pytest.mark.parametrize("where, words", [("notes", "holds no heads"), ("shipped", "--to-shipped"),
                                           ("inside", "must not be"), ("file", "not a directory")])
 def test_export_out_refuses_dangerous_destinations(tmp_path, capsys, where, words):
-    from medusa.decoding.heads import SHIPPED_DIR
+    from medusa.decoding.proposers.heads import SHIPPED_DIR
 
     src = fake_heads(tmp_path / "heads", 0.5)
     out = {"notes": tmp_path / "notes", "shipped": SHIPPED_DIR, "inside": src / "copy",
@@ -176,10 +176,10 @@ def test_export_needs_heads(tmp_path, capsys):
 @pytest.fixture
 def shipped(tmp_path, monkeypatch) -> Path:
     """A stand-in for the shipped heads, so these tests never write the real assets."""
-    import medusa.decoding.heads
+    import medusa.decoding.proposers.heads
 
     where = fake_heads(tmp_path / "shipped", 0.5)
-    monkeypatch.setattr(medusa.decoding.heads, "SHIPPED_DIR", where)
+    monkeypatch.setattr(medusa.decoding.proposers.heads, "SHIPPED_DIR", where)
     return where
 
 
@@ -197,7 +197,7 @@ def test_to_shipped_refuses_worse_heads_unless_forced(tmp_path, shipped, capsys)
 
 
 def test_to_shipped_accepts_better_heads_and_they_load_as_default(tmp_path, shipped, capsys):
-    from medusa.decoding.heads import MedusaHeads
+    from medusa.decoding.proposers.heads import MedusaHeads
 
     better = fake_heads(tmp_path / "better", 0.8)
     (better / "trees" / "tree-8.yaml").write_text("paths: [[0], [1], [0, 0]]\n")
@@ -228,7 +228,7 @@ def test_to_shipped_refuses_unmeasured_or_treeless_heads(tmp_path, shipped, caps
 
 
 def test_expected_tau_by_hand():
-    from medusa.decoding.tree import expected_tau
+    from medusa.decoding.trees.tree import expected_tau
 
     acc = [[0.5, 0.2], [0.4, 0.1]]
     # 1 + P(h1 rank 0) + P(h1 rank 1) + P(h1 rank 0, h2 rank 0) + P(h1 rank 0, h2 rank 1); depth 3 is unmeasured.

@@ -36,7 +36,7 @@ def feature_head_dir(directory: Path, model_dir: Path, style: str = "eagle1", pr
     """A (random) feature head for the model in `model_dir`, in our layout, as a training run leaves it."""
     from transformers import AutoModelForCausalLM
 
-    from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
+    from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     torch.manual_seed(0)
@@ -51,7 +51,7 @@ def feature_head_dir(directory: Path, model_dir: Path, style: str = "eagle1", pr
 
 
 def medusa_heads_dir(directory: Path, num_heads: int = 3, base_model: str = "") -> Path:
-    from medusa.decoding.heads import HeadsConfig, MedusaHeads
+    from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
 
     torch.manual_seed(0)
     MedusaHeads(HeadsConfig(hidden_size=64, vocab_size=VOCAB, num_heads=num_heads, own_lm_head=True,
@@ -82,7 +82,7 @@ def test_eagle_config_carries_rope_theta_and_what_eagle_reads(tmp_path, target_d
 
 
 def test_rope_fields_from_either_spelling():
-    from medusa.decoding.feature_formats import rope_fields
+    from medusa.decoding.proposers.feature_formats import rope_fields
     from medusa.errors import MedusaError
 
     assert rope_fields({"rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}}) == \
@@ -138,12 +138,12 @@ def test_five_heads_need_no_note(tmp_path, target_dir, capsys):
 @pytest.fixture
 def shipped_both(tmp_path, target_dir, monkeypatch):
     """Stand-ins for both shipped heads; the feature heads marked preferred, as the real ones are."""
-    import medusa.decoding.heads
+    import medusa.decoding.proposers.heads
     import medusa.runtime.feature
 
     medusa_dir = medusa_heads_dir(tmp_path / "shipped-medusa", base_model=str(target_dir))
     feature_dir = feature_head_dir(tmp_path / "shipped-feature", target_dir, preferred=True)
-    monkeypatch.setattr(medusa.decoding.heads, "SHIPPED_DIR", medusa_dir)
+    monkeypatch.setattr(medusa.decoding.proposers.heads, "SHIPPED_DIR", medusa_dir)
     monkeypatch.setattr(medusa.runtime.feature, "SHIPPED_FEATURE_DIR", feature_dir)
     return medusa_dir, feature_dir
 

@@ -153,7 +153,7 @@ def test_online_features_cache_nothing_and_train_the_cached_features_head(one_pr
 def test_online_and_cached_features_give_the_same_loss_on_the_same_batch(one_process):
     import torch
 
-    from medusa.decoding.model import load_target
+    from medusa.decoding.target.model import load_target
     from medusa.train.data import load_examples, split_groups
     from medusa.train.feature import (make_head, chunk_groups, head_loss, load_feature_config,
                                       training_features)

@@ -12,11 +12,11 @@ import torch
 from conftest import accepted_drafts, hf_greedy, mixed_prompts, tiny_model, without_gate
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig, read_kind
-from medusa.decoding.dynamic_tree import TreeShape
-from medusa.decoding.feature_proposer import FeatureProposer
+from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig, read_kind
+from medusa.decoding.trees.dynamic_tree import TreeShape
+from medusa.decoding.proposers.feature_proposer import FeatureProposer
 from medusa.decoding.sampling import SamplingParams
-from medusa.decoding.transformer import Transformer
+from medusa.decoding.target.transformer import Transformer
 
 MAX_NEW = 24
 V = 16  # a small vocabulary: random heads hit often enough that rows accept different numbers of tokens
@@ -231,7 +231,7 @@ def test_native_round_trip(small, tmp_path):
 
 
 def test_eagle1_layout_keys_and_round_trip(tmp_path):
-    from medusa.decoding.feature_formats import save_eagle
+    from medusa.decoding.proposers.feature_formats import save_eagle
     from safetensors.torch import load_file
 
     model = tiny_model("llama")
@@ -256,7 +256,7 @@ def test_eagle1_layout_keys_and_round_trip(tmp_path):
 
 
 def test_eagle3_layout_keys_and_round_trip(tmp_path):
-    from medusa.decoding.feature_formats import save_eagle
+    from medusa.decoding.proposers.feature_formats import save_eagle
     from safetensors.torch import load_file
 
     model = tiny_model("llama")
@@ -286,7 +286,7 @@ def test_eagle3_layout_keys_and_round_trip(tmp_path):
 
 
 def test_eagle_layout_of_the_wrong_style_is_refused(tmp_path):
-    from medusa.decoding.feature_formats import save_eagle
+    from medusa.decoding.proposers.feature_formats import save_eagle
 
     model = tiny_model("llama")
     with pytest.raises(MedusaError, match="eagle3-style"):
@@ -623,8 +623,8 @@ def test_runtime_detects_feature_heads_and_plans_their_tree(tiny_run, tmp_path, 
     with pytest.raises(MedusaError, match="dynamic"):
         rt.proposer("heads", "tree-8")
     # Medusa heads take dynamic trees too.
-    from medusa.decoding.dynamic_tree import MedusaDynamicProposer
-    from medusa.decoding.heads import HeadsConfig, MedusaHeads
+    from medusa.decoding.trees.dynamic_tree import MedusaDynamicProposer
+    from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
 
     (tmp_path / "medusa").mkdir()
     MedusaHeads(HeadsConfig(64, 97, 3, 1)).save(tmp_path / "medusa")
@@ -731,7 +731,7 @@ def test_bench_times_the_feature_heads_it_is_given(embedded):
     already run as the main method."""
     from dataclasses import replace
 
-    from medusa.decoding.feature_heads import SHIPPED_FEATURE_DIR
+    from medusa.decoding.proposers.feature_heads import SHIPPED_FEATURE_DIR
     from medusa.runtime.feature import bench_methods, resolve_feature
 
     both = replace(embedded, feature=resolve_feature("feature", embedded.hf_model))

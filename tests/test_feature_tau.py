@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
+from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
 from medusa.train.feature_data import draft_map, extract, feature_fn
 from medusa.train.feature_eval import path_accuracy, rank_paths
 
@@ -89,7 +89,7 @@ def test_accuracies_along_the_accepted_path_give_a_chain_its_exact_expected_leng
     """Depths are correlated (a position the head gets right at depth 1 is easier at depth 2): multiplying
     per-depth accuracies over all positions misjudges even a chain, multiplying the accuracies among the
     positions whose path was accepted so far gives its expected accepted length exactly."""
-    from medusa.decoding.tree import expected_tau
+    from medusa.decoding.trees.tree import expected_tau
     from medusa.train.feature_eval import marginal_accuracy
 
     g = torch.Generator().manual_seed(0)

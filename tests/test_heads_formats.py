@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 import conftest
 from medusa.cli import main
 from medusa.errors import MedusaError
-from medusa.decoding.heads import MedusaHeads
+from medusa.decoding.proposers.heads import MedusaHeads
 from train_helpers import VOCAB, save_tiny_model
 
 HIDDEN, HEADS, LAYERS = 64, 3, 2
@@ -31,7 +31,7 @@ CANDIDATES = torch.tensor([2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37])
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """A tiny target saved as a checkpoint directory, and the same model loaded."""
-    from medusa.decoding.model import load_target
+    from medusa.decoding.target.model import load_target
 
     directory = save_tiny_model(tmp_path_factory.mktemp("target") / "model")
     model, _ = load_target(str(directory), "fp32", "cpu")

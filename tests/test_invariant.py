@@ -1,4 +1,4 @@
-"""Batch invariance (`medusa.decoding.invariant`): with it on, a row's bits never depend on the pass around it,
+"""Batch invariance (`medusa.decoding.target.invariant`): with it on, a row's bits never depend on the pass around it,
 op by op and end to end.
 
 The guarantee rests on how this machine's kernels round; `invariant.probe` measures that, and where it fails
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from conftest import accepted_drafts, mixed_prompts, random_heads, tiny_model
-from medusa.decoding import invariant
-from medusa.decoding.kernels import pass_mask
+from medusa.decoding.target import invariant
+from medusa.decoding.target.kernels import pass_mask
 from medusa.decoding.engine import Engine
-from medusa.decoding.transformer import RMSNorm, Transformer, causal
+from medusa.decoding.target.transformer import RMSNorm, Transformer, causal
 from medusa.errors import MedusaError
 
 WHY = invariant.probe("cpu", torch.bfloat16)
@@ -41,7 +41,7 @@ H, KV, D = 9, 3, 64  # the embedded model's attention shape
 
 
 class InOrder:
-    """`torch` as `medusa.decoding.invariant` sees it, with `matmul` summing each result as one chain of
+    """`torch` as `medusa.decoding.target.invariant` sees it, with `matmul` summing each result as one chain of
     multiply-adds in index order (a product, then a sum, per term): kernels that keep the order the
     attention needs, on any CPU, so the attention's own arithmetic is tested where the machine's kernels
     do not keep it."""
@@ -173,7 +173,7 @@ def decode(engine: Engine, prompts: list[list[int]], limits: list[int], proposer
     """Each prompt's greedy tokens, each with its log-probability (the bits of the logits that decided it),
     decoded together, each to its own limit (rows leave as they finish); the last `late` prompts join the
     running batch after three steps. Returns them and the run's stats."""
-    from medusa.decoding.transformer import cache_capacity
+    from medusa.decoding.target.transformer import cache_capacity
 
     capacity = cache_capacity(max(len(p) for p in prompts), max(limits), proposer.tree.size if proposer else 1)
     batch = engine.new_batch(len(prompts), capacity, max(limits))
@@ -202,13 +202,13 @@ def decode(engine: Engine, prompts: list[list[int]], limits: list[int], proposer
 def every_proposer(engine: Engine, model, seed: int = 5) -> dict:
     """Plain decoding and every kind of draft: a static Medusa tree, a dynamic tree, lookup, a draft model,
     retrieval, and trees merged with retrieval (the default: a feature head's, a Medusa head's)."""
-    from medusa.decoding.draft import DraftModel, DraftProposer
-    from medusa.decoding.dynamic_tree import MedusaDynamicProposer, TreeShape
-    from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
-    from medusa.decoding.feature_proposer import FeatureProposer
-    from medusa.decoding.lookup import LookupProposer
+    from medusa.decoding.proposers.draft import DraftModel, DraftProposer
+    from medusa.decoding.trees.dynamic_tree import MedusaDynamicProposer, TreeShape
+    from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
+    from medusa.decoding.proposers.feature_proposer import FeatureProposer
+    from medusa.decoding.proposers.lookup import LookupProposer
     from medusa.decoding.proposers import MedusaProposer
-    from medusa.decoding.retrieval import MergedProposer, Retriever, RetrievalProposer
+    from medusa.decoding.proposers.retrieval import MergedProposer, Retriever, RetrievalProposer
 
     heads = random_heads(model, num_heads=3, seed=seed)
     torch.manual_seed(seed)
@@ -299,7 +299,7 @@ def test_a_lone_row_runs_as_two_rows_under_invariance(monkeypatch):
     the same row's among others: with a row block set (invariance on) a lone row never reaches it."""
     import torch.nn.functional as F
 
-    from medusa.decoding.kernels import Linear
+    from medusa.decoding.target.kernels import Linear
 
     real = F.linear
     monkeypatch.setattr(F, "linear", lambda x, w, b=None: real(x, w, b) * (1 + 2 ** -10 * (x.numel() == x.shape[-1])))

@@ -210,7 +210,7 @@ def test_one_tree_vocabulary():
     for how many candidates a path can hold."""
     from dataclasses import fields
 
-    from medusa.decoding.tree import TreeBuffers
+    from medusa.decoding.trees.tree import TreeBuffers
     from medusa.decoding.verifier import Candidates, RowTrees
 
     for cls in (TreeBuffers, RowTrees, Candidates):

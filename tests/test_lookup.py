@@ -6,8 +6,8 @@ import torch
 from conftest import mixed_prompts, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.decoding.lookup import LookupProposer, propose_from
-from medusa.decoding.transformer import Transformer
+from medusa.decoding.proposers.lookup import LookupProposer, propose_from
+from medusa.decoding.target.transformer import Transformer
 
 
 def test_copies_the_continuation_of_the_latest_longest_match():

@@ -7,8 +7,8 @@ import zipfile
 
 import pytest
 
-from medusa.decoding import model as models
-from medusa.decoding.model import NamedModel, model_title
+from medusa.decoding.target import model as models
+from medusa.decoding.target.model import NamedModel, model_title
 from medusa.errors import MedusaError
 
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from medusa.decoding import invariant
-from medusa.decoding.dynamic_tree import TreeShape
+from medusa.decoding.target import invariant
+from medusa.decoding.trees.dynamic_tree import TreeShape
 from medusa.decoding.engine import Engine
-from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
-from medusa.decoding.feature_proposer import FeatureProposer
+from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
+from medusa.decoding.proposers.feature_proposer import FeatureProposer
 from medusa.decoding.prefix_cache import PrefixCache, block_bytes
-from medusa.decoding.transformer import Transformer
+from medusa.decoding.target.transformer import Transformer
 from medusa.errors import MedusaError
 
 V = 13

@@ -4,15 +4,15 @@ import pytest
 import torch
 
 from conftest import accepted_drafts, mixed_prompts, tiny_model
-from medusa.decoding.draft import DraftModel, DraftProposer
-from medusa.decoding.dynamic_tree import MedusaDynamicProposer, TreeShape
+from medusa.decoding.proposers.draft import DraftModel, DraftProposer
+from medusa.decoding.trees.dynamic_tree import MedusaDynamicProposer, TreeShape
 from medusa.decoding.engine import Engine
-from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
-from medusa.decoding.feature_proposer import FeatureProposer
-from medusa.decoding.heads import HeadsConfig, MedusaHeads
-from medusa.decoding.lookup import LookupProposer
+from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
+from medusa.decoding.proposers.feature_proposer import FeatureProposer
+from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.proposers.lookup import LookupProposer
 from medusa.decoding.proposers import MedusaProposer
-from medusa.decoding.transformer import Transformer
+from medusa.decoding.target.transformer import Transformer
 from medusa.errors import MedusaError
 from medusa.runtime import Runtime
 from medusa.runtime.proposers import MODES, ProposerSpec, build_proposer
@@ -138,7 +138,7 @@ def test_bad_specs_say_what_was_wrong(rt, spec, tree, match):
 def test_heads_without_heads_and_a_draft_of_another_vocabulary(rt, monkeypatch):
     with pytest.raises(MedusaError, match="needs heads"):
         build_proposer(tiny_runtime(heads=False), "heads")
-    from medusa.decoding import draft
+    from medusa.decoding.proposers import draft
 
     other = Transformer(tiny_model(vocab=101))
     monkeypatch.setattr(draft, "load_draft", lambda spec, target: DraftModel.of(other))

@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 
 from medusa.cli import main
-from medusa.decoding.hardware import command_line, machine, provenance
+from medusa.decoding.target.hardware import command_line, machine, provenance
 from test_eval import tiny_checkpoint
 
 MACHINE_KEYS = {"device", "name", "capability", "native_bf16", "threads", "dtype"}

@@ -337,7 +337,7 @@ def test_fasterdecoding_medusa_reads_the_medusa_export(tmp_path):
 @reference
 @pytest.mark.slow
 def test_safeailab_eagle_reads_the_eagle_export(tmp_path):
-    from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
+    from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
 
     target = make_target(tmp_path / "target", kv_heads=2)
     model = target["model"]

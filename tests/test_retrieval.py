@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from conftest import accepted_drafts, mixed_prompts, random_heads, tiny_model
-from medusa.decoding.dynamic_tree import NEG, MedusaDynamicProposer, Pool
+from medusa.decoding.trees.dynamic_tree import NEG, MedusaDynamicProposer, Pool
 from medusa.decoding.engine import Engine
-from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
-from medusa.decoding.dynamic_tree import TreeShape
-from medusa.decoding.feature_proposer import FeatureProposer
-from medusa.decoding.retrieval import (ACCEPT, MATCH_BUCKETS, Chains, MergedProposer, Retriever, RetrievalProposer,
-                                       graft, match_bucket, token_scores)
+from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
+from medusa.decoding.trees.dynamic_tree import TreeShape
+from medusa.decoding.proposers.feature_proposer import FeatureProposer
+from medusa.decoding.proposers.retrieval import (
+    ACCEPT, MATCH_BUCKETS, Chains, MergedProposer, Retriever, RetrievalProposer, graft, match_bucket, token_scores)
 from medusa.decoding.sampling import SamplingParams
-from medusa.decoding.transformer import Transformer
+from medusa.decoding.target.transformer import Transformer
 from medusa.errors import MedusaError
 
 V = 13  # a small vocabulary: random models repeat themselves, so the text holds matches
@@ -194,8 +194,8 @@ def test_bad_settings_are_clear_errors(small):
 
 def test_a_datastore_of_earlier_outputs_is_drafted_from(small, tmp_path):
     """Retrieval over a corpus that holds what the rows will write: more accepted, output unchanged."""
-    from medusa.decoding.suffix import Datastore
-    from medusa.decoding.retrieval import load_datastore as load
+    from medusa.decoding.proposers.suffix import Datastore
+    from medusa.decoding.proposers.retrieval import load_datastore as load
 
     model, engine = small
     prompts = mixed_prompts(4, vocab=V, seed=50)
@@ -214,7 +214,7 @@ def test_datastore_cli_builds_from_a_text_file(tmp_path, capsys):
     import json
 
     from medusa.cli import main
-    from medusa.decoding.suffix import Datastore
+    from medusa.decoding.proposers.suffix import Datastore
 
     texts = tmp_path / "texts.jsonl"
     texts.write_text("\n".join(json.dumps({"text": f"Line {i}: the quick brown fox jumps."}) for i in range(5)))

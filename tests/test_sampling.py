@@ -9,12 +9,12 @@ import torch
 from conftest import hf_greedy, mixed_prompts, random_heads, tiny_model
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.decoding.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
 from medusa.decoding.proposers import MedusaProposer, StaticProposer
 from medusa.decoding.verifier import RowTrees
 from medusa.decoding.sampling import SamplingParams
-from medusa.decoding.transformer import Transformer
-from medusa.decoding.tree import chain, load_tree
+from medusa.decoding.target.transformer import Transformer
+from medusa.decoding.trees.tree import chain, load_tree
 
 V = 8
 PROMPT = [1, 2, 3]

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from conftest import random_heads
-from medusa.decoding.dynamic_tree import MedusaDynamicProposer, TreeShape
+from medusa.decoding.trees.dynamic_tree import MedusaDynamicProposer, TreeShape
 from medusa.decoding.engine import Engine
-from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
-from medusa.decoding.feature_proposer import FeatureProposer
+from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
+from medusa.decoding.proposers.feature_proposer import FeatureProposer
 from medusa.decoding.proposers import MedusaProposer, StaticProposer
-from medusa.decoding.retrieval import MergedProposer, Retriever, RetrievalProposer
+from medusa.decoding.proposers.retrieval import MergedProposer, Retriever, RetrievalProposer
 from medusa.decoding.sampling import SamplingParams
-from medusa.decoding.transformer import Transformer
-from medusa.decoding.tree import Tree, chain
+from medusa.decoding.target.transformer import Transformer
+from medusa.decoding.trees.tree import Tree, chain
 from medusa.decoding.verifier import RowTrees
 from test_sampling import chi_square_pvalue
 

@@ -29,7 +29,7 @@ VOCAB = 49152  # the embedded tokenizer's vocabulary, so real text round-trips
 def embedded_tokenizer():
     from transformers import AutoTokenizer
 
-    from medusa.decoding.model import resolve_model_dir
+    from medusa.decoding.target.model import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir("default"))
 
@@ -38,7 +38,7 @@ def tiny_runtime(tokenizer, seed: int = 0, heads: bool = True, device: str = "cp
     """A Runtime over a tiny random Llama with the embedded tokenizer and random Medusa heads."""
     from medusa.decoding.engine import Engine
     from medusa.runtime.runtime import Runtime, eos_ids
-    from medusa.decoding.transformer import Transformer
+    from medusa.decoding.target.transformer import Transformer
 
     model = tiny_model("llama", seed=seed, vocab=VOCAB).to(device)
     model.config.eos_token_id = tokenizer.eos_token_id

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from medusa.decoding.chat import chat_ids
+from medusa.decoding.target.chat import chat_ids
 from medusa.errors import MedusaError
 from medusa.serve.detokenize import IncrementalText, safe_length, stop_at, visible_text
 

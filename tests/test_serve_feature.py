@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from medusa.decoding.feature_proposer import FeatureProposer
+from medusa.decoding.proposers.feature_proposer import FeatureProposer
 from medusa.decoding.proposers import StaticProposer
 from medusa.errors import MedusaError
 from medusa.serve.app import create_app

@@ -63,7 +63,7 @@ def test_a_cap_on_the_kernel_caches_bounds_what_new_shapes_hold():
 
     import torch
 
-    from medusa.decoding.kernels import packing_available
+    from medusa.decoding.target.kernels import packing_available
 
     if not packing_available(torch.zeros(2, 2)):
         pytest.skip("no oneDNN weight packing on this machine: layers use F.linear, which keeps no kernel per shape")
@@ -77,7 +77,7 @@ def test_a_cap_on_the_kernel_caches_bounds_what_new_shapes_hold():
 
 
 def test_a_kernel_cache_cap_set_in_the_environment_wins(monkeypatch):
-    from medusa.decoding.hardware import KERNEL_CACHE_DEFAULT, limit_kernel_caches
+    from medusa.decoding.target.hardware import KERNEL_CACHE_DEFAULT, limit_kernel_caches
 
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "100")
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)

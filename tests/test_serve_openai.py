@@ -128,7 +128,7 @@ def test_engine_logprobs_are_the_same_with_and_without_speculation():
     """Rows accepting different numbers of candidates per step (an oracle proposer over a deep tree): each
     emitted token's logprob and top-5 equal those of plain decoding (fp32), and the model's own."""
     from medusa.decoding.engine import Engine
-    from medusa.decoding.transformer import Transformer
+    from medusa.decoding.target.transformer import Transformer
     from test_engine import DEEP_TREE, OracleProposer
 
     model = tiny_model("llama")
@@ -153,7 +153,7 @@ def test_engine_logprobs_are_the_same_with_and_without_speculation():
 
 def test_no_logprobs_asked_means_none_computed():
     from medusa.decoding.engine import Engine
-    from medusa.decoding.transformer import Transformer
+    from medusa.decoding.target.transformer import Transformer
 
     engine = Engine(Transformer(tiny_model("llama")), eos_token_ids=None)
     batch = engine.new_batch(2, 64, 8)

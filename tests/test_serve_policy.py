@@ -263,7 +263,7 @@ def test_calibrated_plans_set_watermarks_and_trees():
     """The auto mode's plans (speculate with a tree at 1-2 rows, plain from 4) become the dynamic
     policy's defaults when no cost-model file is given."""
     from medusa.runtime.auto import Plan
-    from medusa.decoding.tree import Tree
+    from medusa.decoding.trees.tree import Tree
     from medusa.serve.policy import CostModel
 
     big, small = Tree([[0], [1], [0, 0]], name="auto-3"), Tree([[0]], name="auto-1")

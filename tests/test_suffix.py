@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from medusa.decoding.suffix import Continuation, Datastore, Match, SuffixAutomaton, corpus_automaton
+from medusa.decoding.proposers.suffix import Continuation, Datastore, Match, SuffixAutomaton, corpus_automaton
 from medusa.errors import MedusaError
 
 
 def brute(seqs, query, k, depth, min_match=1, levels=16, own=False):
-    """(longest match, continuations as tuples) by direct search, ranked as medusa.decoding.suffix says.
+    """(longest match, continuations as tuples) by direct search, ranked as medusa.decoding.proposers.suffix says.
 
     own: the automaton's own text (seqs == [query]): a suffix counts only where it occurs followed by a
     token, i.e. earlier. Otherwise: anywhere in any one sequence. Positions index the joined text, where

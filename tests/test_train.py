@@ -76,7 +76,7 @@ def test_labels_only_on_answer_tokens_and_table_agrees():
 
 def test_hf_last_hidden_state_is_what_the_engine_sees():
     from conftest import tiny_model
-    from medusa.decoding.transformer import Transformer
+    from medusa.decoding.target.transformer import Transformer
     from medusa.train.data import pad_batch
     from medusa.train.hidden import hf_hidden_fn
 
@@ -94,7 +94,7 @@ def test_hf_last_hidden_state_is_what_the_engine_sees():
 def test_objective_masks_unlabelled_rows_as_if_they_were_dropped(kind):
     """Rows without a label are masked inside the objective (no device wait): loss, gradients and the
     top-1 / top-5 / label counts equal those of the labelled rows alone."""
-    from medusa.decoding.heads import HeadsConfig, MedusaHeads
+    from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
     from medusa.train.objective import HeadObjective
 
     torch.manual_seed(0)
@@ -133,8 +133,8 @@ def test_objective_masks_unlabelled_rows_as_if_they_were_dropped(kind):
 
 
 def test_train_cached_writes_loadable_heads_eval_and_trees(tiny, tmp_path):
-    from medusa.decoding.heads import MedusaHeads
-    from medusa.decoding.tree import load_tree
+    from medusa.decoding.proposers.heads import MedusaHeads
+    from medusa.decoding.trees.tree import load_tree
     from medusa.train.config import load_config
     from medusa.train.trainer import run_training
 
@@ -170,7 +170,7 @@ def test_train_plain_path_and_kl_loss(tiny, tmp_path):
     result = run_training(cfg)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in result["history"])
     # heads.candidates: the exported heads propose only the 16 most frequent answer tokens
-    from medusa.decoding.heads import MedusaHeads
+    from medusa.decoding.proposers.heads import MedusaHeads
     from medusa.train.distill import load_distilled
 
     heads = MedusaHeads.load(tmp_path / "run" / "heads")

@@ -5,9 +5,9 @@ import torch
 
 from conftest import random_heads, tiny_model
 from medusa.errors import MedusaError
-from medusa.decoding.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
 from medusa.decoding.proposers import MedusaProposer
-from medusa.decoding.tree import Tree, build_tree, chain, load_tree
+from medusa.decoding.trees.tree import Tree, build_tree, chain, load_tree
 from medusa.decoding.verifier import Candidates, Verifier
 
 

@@ -87,10 +87,10 @@ def test_wheel_holds_the_package_its_assets_and_no_other_top_level(wheel):
 def test_installed_wheel_imports_from_itself_alone(venv, tmp_path):
     python = str(venv / "bin" / "python")
     check = ("import sys, medusa\n"
-             "from medusa.decoding.draft import SHIPPED_DRAFT\n"
-             "from medusa.decoding.feature_heads import SHIPPED_FEATURE_DIR\n"
-             "from medusa.decoding.heads import SHIPPED_DIR\n"
-             "from medusa.decoding.tree import CONFIG_DIR, HAND_MADE_DIR\n"
+             "from medusa.decoding.proposers.draft import SHIPPED_DRAFT\n"
+             "from medusa.decoding.proposers.feature_heads import SHIPPED_FEATURE_DIR\n"
+             "from medusa.decoding.proposers.heads import SHIPPED_DIR\n"
+             "from medusa.decoding.trees.tree import CONFIG_DIR, HAND_MADE_DIR\n"
              "print(medusa.__file__)\n"
              "print(sorted(m for m in sys.modules if 'editable' in m))\n"
              "for d in (SHIPPED_DRAFT, SHIPPED_FEATURE_DIR, SHIPPED_DIR, CONFIG_DIR, HAND_MADE_DIR):\n"

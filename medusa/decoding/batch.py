@@ -19,7 +19,7 @@ import torch
 from medusa.decoding.outputs import MAX_TOP_LOGPROBS, Finished, Stats, StepOutput, TokenLogprobs
 from medusa.decoding.proposers import RowState
 from medusa.decoding.sampling import RowSampling, SamplingParams
-from medusa.decoding.transformer import Transformer
+from medusa.decoding.target.transformer import Transformer
 from medusa.errors import MedusaError
 
 

@@ -28,8 +28,8 @@ from medusa.decoding.outputs import Finished, Generation, Stats, StepOutput, Tok
 from medusa.decoding.prefilling import Prefilling
 from medusa.decoding.proposers import Proposer
 from medusa.decoding.sampling import SamplingParams
-from medusa.decoding.transformer import PassInputs, Transformer, cache_capacity
-from medusa.decoding.tree import ROOT_ONLY
+from medusa.decoding.target.transformer import PassInputs, Transformer, cache_capacity
+from medusa.decoding.trees.tree import ROOT_ONLY
 from medusa.decoding.verifier import RowTrees, Verdict, Verifier
 
 

@@ -14,7 +14,7 @@ from medusa.errors import MedusaError
 from medusa.decoding.batch import Batch, Prefill
 from medusa.decoding.outputs import StepOutput, token_logprobs
 from medusa.decoding.sampling import GREEDY, SamplingParams
-from medusa.decoding.transformer import PassInputs, Transformer, causal
+from medusa.decoding.target.transformer import PassInputs, Transformer, causal
 from medusa.decoding.verifier import argmax, sample_from
 
 

@@ -1,7 +1,7 @@
 """A prefix cache: the K/V of token prefixes a batch has computed, kept in fixed-size token blocks and copied
 into the row of any later prompt that starts with the same tokens, so only the rest of it is prefilled.
 
-The batch's KV cache is contiguous per row (`medusa.decoding.transformer.KVCache`), so blocks are copies, not
+The batch's KV cache is contiguous per row (`medusa.decoding.target.transformer.KVCache`), so blocks are copies, not
 shared pages: a block holds the keys and values of `block` consecutive positions of every layer, in a pool
 tensor allocated once for the memory budget. Blocks form a tree: a block's key is (its parent block, its own
 tokens), so a key stands for every token before it as a hash chain does, and two prompts share exactly the
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from medusa.decoding.batch import Batch
 
 DEFAULT_BLOCK = 16  # tokens per block
-FEATURE_KEY = "feature"  # batch.aux key of a feature head's per-row state (medusa.decoding.feature_proposer)
+FEATURE_KEY = "feature"  # batch.aux key of a feature head's per-row state (medusa.decoding.proposers.feature_proposer)
 
 
 @dataclass

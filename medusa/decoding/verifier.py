@@ -4,7 +4,7 @@ Every proposer's `draft` returns `RowTrees`, a candidate tree per row; the engin
 front (`RowTrees.candidates`) and the verifiers read the result. One verifier serves every proposer: a chain
 (draft model) is a tree with one path, plain decoding is the tree with only the root, and a static tree is a
 per-row tree that every row happens to share (`RowTrees.shared`: views of the tree's precomputed buffers),
-so dynamic trees (`medusa.decoding.dynamic_tree`) are verified by the same code.
+so dynamic trees (`medusa.decoding.trees.dynamic_tree`) are verified by the same code.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa.decoding.tree import TreeBuffers
+from medusa.decoding.trees.tree import TreeBuffers
 
 # Each row's acceptance rule (`RowSampling.acceptance`; `sampling.acceptance_of` picks it from a request).
 ACCEPT_GREEDY, ACCEPT_REJECTION, ACCEPT_TYPICAL, ACCEPT_MATCH = 0, 1, 2, 3

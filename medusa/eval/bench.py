@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from medusa.decoding.hardware import DTYPE_CHOICES, provenance
-from medusa.decoding.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.target.hardware import DTYPE_CHOICES, provenance
+from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
 from medusa.prompts import load_prompts
-from medusa.decoding.tree import chain, load_tree
+from medusa.decoding.trees.tree import chain, load_tree
 from medusa.io import write_json_atomic
 from medusa.errors import MedusaError
 from medusa.eval.driver import run_engine, sync

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from medusa.decoding.hardware import DTYPE_CHOICES
+from medusa.decoding.target.hardware import DTYPE_CHOICES
 from medusa.errors import MedusaError
 from medusa.eval import bench
 from medusa.eval.config import load_config

@@ -8,9 +8,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from medusa.decoding.hardware import check_dtype_spelling
+from medusa.decoding.target.hardware import check_dtype_spelling
 from medusa.decoding.sampling import SamplingParams
-from medusa.decoding.tree import DEFAULT_TREE
+from medusa.decoding.trees.tree import DEFAULT_TREE
 from medusa.errors import MedusaError
 from medusa.io import read_yaml, validate
 from medusa.runtime.proposers import MODES, current_spelling
@@ -26,7 +26,7 @@ class MethodSpec(BaseModel):
     method: Literal[(*OURS, "auto", *HF)]
     label: str | None = None
     tree: str | None = None           # heads: tree file or shipped name
-    draft: str | None = None          # draft / hf_assisted: see medusa.decoding.draft.load_draft
+    draft: str | None = None          # draft / hf_assisted: see medusa.decoding.proposers.draft.load_draft
     k: int | None = Field(default=None, ge=1, le=64)  # draft chain length / lookup tokens / retrieval tree nodes
     max_ngram: int = Field(default=3, ge=1)
     heads: str | None = None          # feature: feature heads directory (default: the shipped ones)

@@ -4,9 +4,9 @@ runs; every method's predictions, then the fastest method measured and predicted
 
 from __future__ import annotations
 
-from medusa.decoding.dynamic_tree import parse_shape
-from medusa.decoding.feature_runner import draft_pass_ms
-from medusa.decoding.tree import load_tree
+from medusa.decoding.trees.dynamic_tree import parse_shape
+from medusa.decoding.proposers.feature_runner import draft_pass_ms
+from medusa.decoding.trees.tree import load_tree
 from medusa.eval.config import HF, EvalConfig
 from medusa.eval.costmodel import (SPECULATIVE, alpha_from_acceptance, crossover, crossover_of, drafting_ms, pays,
                                    predict)

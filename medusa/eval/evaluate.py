@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from medusa.decoding.hardware import provenance
+from medusa.decoding.target.hardware import provenance
 from medusa.errors import MedusaError
 from medusa.eval.config import HF, OURS, EvalConfig, MethodSpec
 from medusa.eval.cost_inputs import build_cost_model

@@ -4,7 +4,7 @@ planned, and one run of a method dispatched to our engine or to HF `generate()`.
 from __future__ import annotations
 
 from medusa.decoding.proposers import Proposer
-from medusa.decoding.tree import DEFAULT_TREE
+from medusa.decoding.trees.tree import DEFAULT_TREE
 from medusa.runtime.proposers import MERGED, ProposerSpec, build_proposer
 from medusa.eval.anchors import run_hf
 from medusa.eval.config import BATCH_ONE_ONLY, HF, EvalConfig, MethodSpec
@@ -30,7 +30,7 @@ class Methods:
         self._proposers: dict[str, Proposer | None] = {}
 
     def draft_hf(self, spec: str):
-        from medusa.decoding.draft import load_draft_hf
+        from medusa.decoding.proposers.draft import load_draft_hf
 
         if spec not in self._drafts:
             self._drafts[spec] = load_draft_hf(spec, self.rt.hf_model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from medusa.decoding.tree import DEFAULT_TREE
+from medusa.decoding.trees.tree import DEFAULT_TREE
 from medusa.eval.config import BATCH_ONE_ONLY, HF, OURS, MethodSpec
 from medusa.eval.costmodel import crossover
 from medusa.eval.driver import RunResult

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from medusa.decoding.hardware import DTYPE_CHOICES
+from medusa.decoding.target.hardware import DTYPE_CHOICES
 from medusa.errors import MedusaError
 
 

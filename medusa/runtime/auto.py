@@ -30,12 +30,12 @@ from medusa.runtime.calibrate import Calibration
 from medusa.runtime.gate import AcceptanceGate
 from medusa.decoding.engine import StepPolicy
 from medusa.decoding.proposers import Proposer
-from medusa.decoding.tree import Tree, build_tree, expected_tau
+from medusa.decoding.trees.tree import Tree, build_tree, expected_tau
 
 if TYPE_CHECKING:
     from medusa.decoding.batch import Batch
-    from medusa.decoding.feature_heads import FeatureHead
-    from medusa.decoding.heads import MedusaHeads
+    from medusa.decoding.proposers.feature_heads import FeatureHead
+    from medusa.decoding.proposers.heads import MedusaHeads
 
 # Predicted speedups below this are not worth the risk of being wrong: the curve and the accuracies are
 # estimates, and a near-tie gains nothing a user would notice.

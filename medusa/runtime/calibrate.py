@@ -273,7 +273,7 @@ def _measure(rt, cal: Calibration, todo: dict[int, list[int]], heads_todo: list[
                                               rt.model.dtype, rt.model.device, REPEATS, rt.model.lm_head))
             bar.update(len(heads_todo))
         if drafts_todo:
-            from medusa.decoding.feature_runner import draft_pass_ms
+            from medusa.decoding.proposers.feature_runner import draft_pass_ms
             from medusa.runtime.feature import runner_for
 
             runner, grid = runner_for(rt), cal.drafts.setdefault(draft_key(rt.feature), {})
@@ -289,7 +289,7 @@ def _host_work(rt, b: int, grid: dict[tuple[int, int], float], bar) -> tuple[flo
     """(fixed, per expansion) ms of a feature-head draft step's host work at `b` rows: each HOST_SHAPES
     shape's whole draft step, timed in the engine, less its head passes (`grid`), fitted over the two depths
     (both parts kept >= 0)."""
-    from medusa.decoding.dynamic_tree import TreeShape
+    from medusa.decoding.trees.dynamic_tree import TreeShape
     from medusa.runtime.feature import draft_proposer
     from medusa.runtime.timing import draft_step_ms
 

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from medusa.decoding.dynamic_tree import TreeShape, is_dynamic, parse_shape
-from medusa.decoding.feature_heads import CONFIG, KIND, SHIPPED_FEATURE_DIR, FeatureHead, read_kind
-from medusa.decoding.model import NAMED_MODELS, named_model_of
+from medusa.decoding.trees.dynamic_tree import TreeShape, is_dynamic, parse_shape
+from medusa.decoding.proposers.feature_heads import CONFIG, KIND, SHIPPED_FEATURE_DIR, FeatureHead, read_kind
+from medusa.decoding.target.model import NAMED_MODELS, named_model_of
 from medusa.io import ASSETS
-from medusa.decoding.feature_proposer import FeatureProposer, expected_tau_dynamic, shape_candidates
-from medusa.decoding.feature_runner import HeadRunner
-from medusa.decoding.retrieval import MergedProposer
+from medusa.decoding.proposers.feature_proposer import FeatureProposer, expected_tau_dynamic, shape_candidates
+from medusa.decoding.proposers.feature_runner import HeadRunner
+from medusa.decoding.proposers.retrieval import MergedProposer
 from medusa.errors import MedusaError
 from medusa.runtime.auto import MARGIN, Plan, read_accuracy, realised_note, weighed
 
@@ -40,7 +40,7 @@ MEDUSA_TOPK = 4
 
 def shipped_feature_dir(model: str | None = None) -> Path:
     """Where the feature head shipped for a model lives: the embedded model's (`model` None), or a named
-    model's own (`medusa.decoding.model.NAMED_MODELS`, e.g. qwen2.5-coder-1.5b) beside it. Read at call time
+    model's own (`medusa.decoding.target.model.NAMED_MODELS`, e.g. qwen2.5-coder-1.5b) beside it. Read at call time
     (tests point SHIPPED_FEATURE_DIR and ASSETS at copies)."""
     if model is None:
         return SHIPPED_FEATURE_DIR
@@ -267,7 +267,7 @@ def bench_methods(rt: "Runtime", spec: str) -> dict[str, FeatureProposer]:
 
 def medusa_dynamic(rt: "Runtime", tree: str):
     """`--tree dynamic-N[xD[xK]]` with Medusa heads: a per-row dynamic tree (depth at most the heads')."""
-    from medusa.decoding.dynamic_tree import MedusaDynamicProposer, pool_size
+    from medusa.decoding.trees.dynamic_tree import MedusaDynamicProposer, pool_size
 
     shape = parse_shape(tree, topk=MEDUSA_TOPK)
     depth = min(shape.depth, rt.heads.config.num_heads)

@@ -12,7 +12,7 @@ The one vocabulary of how tokens are drafted, the same in `medusa generate --mod
                      directory or hub id) proposing a chain of `k` tokens
     lookup[:K]       prompt lookup, K tokens (default 8)
     retrieval[:N]    retrieval alone: a tree of N nodes (default 16) from the text's own earlier
-                     continuations (`medusa.decoding.retrieval`); needs no heads. Its tree has the same
+                     continuations (`medusa.decoding.proposers.retrieval`); needs no heads. Its tree has the same
                      name, `retrieval:N` (the server's `policy.trees` without heads)
     X+retrieval      X's dynamic trees (heads with feature heads or --tree dynamic-N, feature[:DIR])
                      with retrieval branches grafted in, under X's node budget
@@ -30,11 +30,11 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from medusa.decoding.dynamic_tree import is_dynamic
-from medusa.decoding.lookup import LookupProposer
+from medusa.decoding.trees.dynamic_tree import is_dynamic
+from medusa.decoding.proposers.lookup import LookupProposer
 from medusa.decoding.proposers import GrowingProposer, MedusaProposer, Proposer
-from medusa.decoding.retrieval import MergedProposer, RetrievalProposer
-from medusa.decoding.tree import DEFAULT_TREE, Tree, load_tree
+from medusa.decoding.proposers.retrieval import MergedProposer, RetrievalProposer
+from medusa.decoding.trees.tree import DEFAULT_TREE, Tree, load_tree
 from medusa.errors import MedusaError
 
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ def _heads(rt: "Runtime", tree: "str | list | Tree | None") -> Proposer:
 
 
 def _draft(rt: "Runtime", path: str, k: int) -> Proposer:
-    from medusa.decoding.draft import DraftProposer, load_draft
+    from medusa.decoding.proposers.draft import DraftProposer, load_draft
 
     draft = load_draft(path, rt.hf_model)
     if draft.config.vocab_size != rt.model.config.vocab_size:

@@ -1,4 +1,4 @@
-"""Auto mode without heads: retrieval alone (`medusa.decoding.retrieval`), for any model.
+"""Auto mode without heads: retrieval alone (`medusa.decoding.proposers.retrieval`), for any model.
 
 Retrieval's acceptance depends on the text (high where the answer repeats the prompt, low in free
 writing), so nothing predicts it up front. The tree is the largest of SIZES whose pass costs at most
@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-from medusa.decoding.retrieval import RetrievalProposer
+from medusa.decoding.proposers.retrieval import RetrievalProposer
 
 if TYPE_CHECKING:
     from medusa.runtime import Runtime

@@ -11,22 +11,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from medusa.decoding.chat import chat_ids
+from medusa.decoding.target.chat import chat_ids
 from medusa.decoding.engine import Engine
 from medusa.errors import MedusaError
-from medusa.decoding.hardware import DtypeChoice, Machine, machine, resolve_dtype
-from medusa.decoding.heads import SHIPPED_DIR, SHIPPED_NAMES, MedusaHeads
-from medusa.decoding.model import DEFAULT_MODEL, default_device, load_target
+from medusa.decoding.target.hardware import DtypeChoice, Machine, machine, resolve_dtype
+from medusa.decoding.proposers.heads import SHIPPED_DIR, SHIPPED_NAMES, MedusaHeads
+from medusa.decoding.target.model import DEFAULT_MODEL, default_device, load_target
 from medusa.decoding.proposers import MedusaProposer, Proposer
-from medusa.decoding.transformer import Transformer
-from medusa.decoding.tree import Tree, load_tree
+from medusa.decoding.target.transformer import Transformer
+from medusa.decoding.trees.tree import Tree, load_tree
 from medusa.runtime.proposers import ProposerSpec, build_proposer
 
 if TYPE_CHECKING:
     from medusa.runtime.auto import AutoSpeculation
-    from medusa.decoding.feature_heads import FeatureHead
-    from medusa.decoding.retrieval import Retriever
-    from medusa.decoding.suffix import Datastore
+    from medusa.decoding.proposers.feature_heads import FeatureHead
+    from medusa.decoding.proposers.retrieval import Retriever
+    from medusa.decoding.proposers.suffix import Datastore
 
 
 @dataclass
@@ -53,13 +53,13 @@ class Runtime:
              batch_invariant: bool = False) -> "Runtime":
         """The model, its heads (`--heads`), dtype and device; `retrieval`: auto mode also drafts from the
         text itself; `datastore`: a corpus retrieval drafts from too (`medusa datastore build`);
-        `batch_invariant`: a row's tokens never depend on the pass it is in (`medusa.decoding.invariant`)."""
+        `batch_invariant`: a row's tokens never depend on the pass it is in (`medusa.decoding.target.invariant`)."""
         device = torch.device(device or default_device())
         choice = resolve_dtype(dtype, device, announce=True)
         hf_model, tokenizer = load_target(model, choice.torch, device)
         transformer = Transformer(hf_model)
         if batch_invariant:
-            from medusa.decoding.invariant import probe
+            from medusa.decoding.target.invariant import probe
 
             why = probe(str(device), choice.torch)
             if why is not None:
@@ -115,13 +115,13 @@ class Runtime:
 
     def use_datastore(self, directory: str | None) -> None:
         """Draft from the datastore at `directory` too (None: the row's own text only)."""
-        from medusa.decoding.retrieval import load_datastore
+        from medusa.decoding.proposers.retrieval import load_datastore
 
         self.datastore = None if directory is None else load_datastore(directory, self.model.config.vocab_size)
 
     def retriever(self) -> "Retriever":
         """Retrieval as configured: the row's own text, and the datastore when one is loaded."""
-        from medusa.decoding.retrieval import Retriever
+        from medusa.decoding.proposers.retrieval import Retriever
 
         return Retriever(store=self.datastore)
 

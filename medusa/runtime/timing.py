@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa.decoding.transformer import causal
+from medusa.decoding.target.transformer import causal
 from medusa.errors import MedusaError
 
 @dataclass

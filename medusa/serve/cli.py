@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from medusa.errors import MedusaError
-from medusa.decoding.hardware import DTYPE_CHOICES
+from medusa.decoding.target.hardware import DTYPE_CHOICES
 
 from medusa.serve.config import ServeConfig, load_config
 
@@ -101,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from medusa.serve.app import create_app
     from medusa.serve.connection import uvicorn_config
 
-    from medusa.decoding.hardware import limit_kernel_caches
+    from medusa.decoding.target.hardware import limit_kernel_caches
 
     caps = limit_kernel_caches(cfg.kernel_cache_entries)  # before the model's first oneDNN kernel
     logging.getLogger("serve").info("compiled-kernel caches: %s", ", ".join(f"{k}={v}" for k, v in caps.items()))
@@ -116,7 +116,7 @@ def set_engine_threads(cfg: ServeConfig) -> None:
 
     import torch
 
-    from medusa.decoding.model import default_device
+    from medusa.decoding.target.model import default_device
 
     if torch.device(cfg.device or default_device()).type != "cpu":
         return

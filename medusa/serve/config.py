@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from medusa.io import read_yaml, validate
-from medusa.decoding.hardware import check_dtype_spelling
+from medusa.decoding.target.hardware import check_dtype_spelling
 
 PolicyMode = Literal["dynamic", "heads", "draft", "plain"]
 # Retrieval's trees were once named suffix-N, then suffix:N; they are named as the mode is now, retrieval:N.
@@ -94,11 +94,11 @@ class ServeConfig(BaseModel):
     draft: str | None = None
     draft_k: int = Field(4, ge=1, le=16)
     # Drafts from the text itself (prompt and output so far) grafted into the heads' dynamic trees
-    # (`medusa.decoding.retrieval`); false: the heads alone.
+    # (`medusa.decoding.proposers.retrieval`); false: the heads alone.
     retrieval: bool = True
     datastore: str | None = None  # a corpus retrieval also drafts from (`medusa datastore build`)
     dtype: str = "auto"  # auto: bf16 where the hardware multiplies it natively, fp32 elsewhere
-    # A request's tokens never depend on the other requests in its batch (medusa.decoding.invariant): greedy
+    # A request's tokens never depend on the other requests in its batch (medusa.decoding.target.invariant): greedy
     # streams equal their solo runs and seeded sampling its n=1 run, in bf16 too; costs speed.
     batch_invariant: bool = False
     device: str | None = None
@@ -131,7 +131,7 @@ class ServeConfig(BaseModel):
     prefix_cache: bool = True
     prefix_cache_mb: float | None = Field(None, gt=0)  # its budget; unset: min(10% of available memory, 2 GiB)
     prefix_cache_block: int = Field(16, ge=1, le=4096)
-    # Compiled CPU kernels kept per matrix shape, in each of oneDNN's two caches (medusa.decoding.hardware:
+    # Compiled CPU kernels kept per matrix shape, in each of oneDNN's two caches (medusa.decoding.target.hardware:
     # a few hundred KB per entry; RSS grows until they are full). Unset: the library's 1024 each.
     kernel_cache_entries: int | None = Field(None, ge=1)
     # Largest request body accepted (bytes); larger ones get 413 before they are read. 1 MiB holds any

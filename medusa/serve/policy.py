@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from medusa.decoding.engine import StepPolicy
 from medusa.decoding.proposers import Proposer
-from medusa.decoding.tree import DEFAULT_TREE
+from medusa.decoding.trees.tree import DEFAULT_TREE
 from medusa.errors import MedusaError
 from medusa.io import read_json
 from medusa.runtime.gate import AcceptanceGate, bucket

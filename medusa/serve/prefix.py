@@ -19,7 +19,7 @@ import torch
 
 from medusa.decoding.batch import Batch
 from medusa.decoding.prefix_cache import DEFAULT_BLOCK, Hit, PrefixCache
-from medusa.decoding.transformer import Transformer, cache_dtype
+from medusa.decoding.target.transformer import Transformer, cache_dtype
 from medusa.errors import MedusaError
 from medusa.serve.metrics import Metrics
 from medusa.serve.request import Request

@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from medusa.decoding.dynamic_tree import is_dynamic
+from medusa.decoding.trees.dynamic_tree import is_dynamic
 from medusa.decoding.proposers import Proposer
-from medusa.decoding.tree import DEFAULT_TREE, Tree, load_tree
+from medusa.decoding.trees.tree import DEFAULT_TREE, Tree, load_tree
 from medusa.errors import MedusaError
 from medusa.runtime import Runtime
 from medusa.runtime.gate import bucket

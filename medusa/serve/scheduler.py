@@ -31,7 +31,7 @@ from medusa.decoding.batch import Batch
 from medusa.decoding.engine import Engine
 from medusa.decoding.outputs import StepOutput
 from medusa.decoding.proposers import Proposer
-from medusa.decoding.transformer import cache_capacity
+from medusa.decoding.target.transformer import cache_capacity
 from medusa.errors import MedusaError
 from medusa.serve.admission import Admission
 from medusa.serve.metrics import Metrics

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import jinja2
 
-from medusa.decoding.chat import chat_ids, has_chat_template
+from medusa.decoding.target.chat import chat_ids, has_chat_template
 from medusa.decoding.sampling import SamplingParams
 from medusa.errors import MedusaError
 from medusa.serve.config import ServeConfig

@@ -23,7 +23,7 @@ def write_base_model(model: str, out: Path) -> Path:
     `rope_theta` (transformers 5 keeps it under `rope_parameters`), tokenizer_config.json with
     `tokenizer_class: PreTrainedTokenizerFast`, tokenizer.json with BPE merges as "a b" strings, and a
     model.safetensors.index.json mapping every tensor to its file (EAGLE reads the embeddings through it)."""
-    from medusa.decoding.model import resolve_model_dir
+    from medusa.decoding.target.model import resolve_model_dir
 
     where = resolve_model_dir(model)
     out = Path(out).expanduser()
@@ -43,7 +43,7 @@ def write_base_model(model: str, out: Path) -> Path:
                     if f.is_file() and f.name != "medusa_source.json":
                         shutil.copy2(f, tmp / f.name)
         else:  # a hub id, or a folder of .bin weights: load and save (transformers writes safetensors)
-            from medusa.decoding.model import load_target
+            from medusa.decoding.target.model import load_target
 
             hf_model, tokenizer = load_target(model, "fp32", "cpu")
             hf_model.save_pretrained(tmp)
@@ -55,7 +55,7 @@ def write_base_model(model: str, out: Path) -> Path:
 
 def legacy_model_files(d: Path) -> None:
     """Rewrite the model folder `d` (as transformers 5 saves it) so that transformers 4.x reads it too."""
-    from medusa.decoding.feature_formats import rope_fields
+    from medusa.decoding.proposers.feature_formats import rope_fields
     from medusa.io import write_json_atomic
 
     cfg = json.loads((d / "config.json").read_text())

@@ -128,7 +128,7 @@ def save_sharded(root: Path, d, engine, step: int, meta: dict, fill, keep: int, 
 
 def resume(run, stepper) -> int:
     """Load the run's latest checkpoint, if any, into heads, strategy, optimizer and RNG; returns its step."""
-    from medusa.decoding.heads import MedusaHeads
+    from medusa.decoding.proposers.heads import MedusaHeads
 
     path = latest_checkpoint(run.run_dir / "checkpoints")
     if path is None:

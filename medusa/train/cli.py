@@ -237,8 +237,8 @@ def cmd_train_feature(args: argparse.Namespace) -> int:
 def summary(result: dict) -> str:
     """Where the run wrote everything, held-out accuracy per head, the tau each tree expects, and how to use
     the heads."""
-    from medusa.decoding.tree import expected_tau
-    from medusa.decoding.tree import DEFAULT_TREE, load_tree
+    from medusa.decoding.trees.tree import expected_tau
+    from medusa.decoding.trees.tree import DEFAULT_TREE, load_tree
 
     heads, run_dir = result["heads_dir"], result["run_dir"]
     lines = [f"run {run_dir} finished at step {result.get('step')}; everything is under it:",

@@ -154,8 +154,8 @@ class TrainConfig(RunConfig):
     def _resolve_dtype(cls, v: str) -> str:
         if v != "auto":
             return v
-        from medusa.decoding.hardware import resolve_dtype
-        from medusa.decoding.model import default_device
+        from medusa.decoding.target.hardware import resolve_dtype
+        from medusa.decoding.target.model import default_device
 
         return resolve_dtype("auto", default_device()).name
 

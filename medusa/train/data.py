@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from medusa.decoding.chat import chat_ids
+from medusa.decoding.target.chat import chat_ids
 from medusa.errors import MedusaError
 from medusa.prompts import mtbench_prompts, pair_of, read_records, sharegpt_conversations
 

@@ -1,4 +1,4 @@
-"""`medusa datastore build`: a corpus as a memory-mapped suffix automaton (`medusa.decoding.suffix.Datastore`)
+"""`medusa datastore build`: a corpus as a memory-mapped suffix automaton (`medusa.decoding.proposers.suffix.Datastore`)
 that retrieval drafts from beside the row's own text (`--datastore DIR`).
 
     medusa datastore build --from distilled --out runs/datastore        # the target's own distilled answers
@@ -49,7 +49,7 @@ def _distilled(directory: str, limit: int | None) -> tuple[list[list[int]], int 
 def _texts(path: Path, model: str, limit: int | None) -> tuple[list[list[int]], int]:
     from transformers import AutoTokenizer
 
-    from medusa.decoding.model import resolve_model_dir
+    from medusa.decoding.target.model import resolve_model_dir
     from medusa.prompts import read_records
 
     texts = []
@@ -64,8 +64,8 @@ def _texts(path: Path, model: str, limit: int | None) -> tuple[list[list[int]], 
 
 
 def build(source: str, out: str | Path, model: str = "default", limit: int | None = None) -> dict:
-    from medusa.decoding.hardware import provenance
-    from medusa.decoding.suffix import Datastore
+    from medusa.decoding.target.hardware import provenance
+    from medusa.decoding.proposers.suffix import Datastore
     from medusa.io import atomic_dir
 
     if limit is not None and limit < 1:

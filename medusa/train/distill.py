@@ -27,8 +27,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from medusa.decoding.chat import chat_ids
-from medusa.decoding.transformer import cache_capacity
+from medusa.decoding.target.chat import chat_ids
+from medusa.decoding.target.transformer import cache_capacity
 from medusa.errors import MedusaError
 from medusa.io import atomic_dir, cache_dir, write_json_atomic
 
@@ -221,7 +221,7 @@ def run_distill(cfg: TrainConfig, runtime=None, show_progress: bool = True, serv
     else:
         from transformers import AutoTokenizer
 
-        from medusa.decoding.model import resolve_model_dir
+        from medusa.decoding.target.model import resolve_model_dir
         from medusa.train.distill_server import served_model
 
         rt, tokenizer = None, AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model))
@@ -286,7 +286,7 @@ def _run_facts(cfg: TrainConfig, rt, server: str | None) -> dict:
     """What the card records of a run: when, the command, the machine (or the server), torch, the dtype."""
     import torch
 
-    from medusa.decoding.hardware import command_line
+    from medusa.decoding.target.hardware import command_line
 
     where = {"machine": f"server {server}"} if server else {"machine": rt.machine.describe(),
                                                             "machine_facts": rt.machine.to_dict()}

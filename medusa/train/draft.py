@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from medusa.decoding.draft import SHIPPED_DRAFT, save_truncated, truncated_model, vocab_subset_head
+from medusa.decoding.proposers.draft import SHIPPED_DRAFT, save_truncated, truncated_model, vocab_subset_head
 from medusa.errors import MedusaError
 from medusa.io import cache_dir, write_json_atomic
 from medusa.train.config import DataConfig, TrainConfig

@@ -35,8 +35,8 @@ def _feature_head(src: Path):
     """The feature head in `src` with the target it was trained for (train_config.yaml's model)."""
     import yaml
 
-    from medusa.decoding.feature_heads import FeatureHead
-    from medusa.decoding.model import load_target
+    from medusa.decoding.proposers.feature_heads import FeatureHead
+    from medusa.decoding.target.model import load_target
 
     model = "default"
     if (src / "train_config.yaml").exists():
@@ -48,7 +48,7 @@ def _feature_head(src: Path):
 def _write_eagle(layout: str) -> Callable[[Path, Path], None]:
     """Feature heads as an EAGLE-1 (`eagle`) or EAGLE-3 (`eagle3`) checkpoint (config.json + weights)."""
     def write(src: Path, dest: Path) -> None:
-        from medusa.decoding.feature_formats import save_eagle
+        from medusa.decoding.proposers.feature_formats import save_eagle
 
         head = _feature_head(src)
         n = len(head._target[0].model.layers)
@@ -79,7 +79,7 @@ def target_lm_head(model: str) -> torch.Tensor:
     local checkpoint (`lm_head.weight`, or the tied `model.embed_tokens.weight`), else from the loaded model."""
     from safetensors import safe_open
 
-    from medusa.decoding.model import load_target, resolve_model_dir
+    from medusa.decoding.target.model import load_target, resolve_model_dir
 
     where = Path(resolve_model_dir(model))
     files = sorted(where.glob("*.safetensors")) if where.is_dir() else []
@@ -100,7 +100,7 @@ EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 def base_name(name: str, flag: str = "--base") -> str:
     """What another loader's `base_model_name_or_path` should say for target `name`: the hub id of the
     embedded model, the absolute path of a local model folder, a hub id as given."""
-    from medusa.decoding.model import DEFAULT_MODEL, EMBEDDED_NAME
+    from medusa.decoding.target.model import DEFAULT_MODEL, EMBEDDED_NAME
 
     if name in (DEFAULT_MODEL, EMBEDDED_NAME):
         return EMBEDDED_HUB_ID
@@ -116,7 +116,7 @@ def base_name(name: str, flag: str = "--base") -> str:
 
 
 def _write_layout(layout: str, src: Path, dest: Path, model: str | None, base: str | None = None) -> None:
-    from medusa.decoding.heads import MedusaHeads
+    from medusa.decoding.proposers.heads import MedusaHeads
 
     heads = MedusaHeads.load(src)
     target = model or heads.config.base_model
@@ -174,7 +174,7 @@ FORMAT_KINDS = {"native": None, "eagle": "feature", "eagle3": "feature", "vllm":
 
 def shipped_dir() -> Path:
     """The shipped Medusa heads (read at call time so tests can point it at a copy)."""
-    from medusa.decoding import heads
+    from medusa.decoding.proposers import heads
 
     return Path(heads.SHIPPED_DIR)
 
@@ -196,7 +196,7 @@ class Measure:
 
 def measure(heads_dir: Path) -> Measure | None:
     """tau of the heads' own default tree from their eval.json; None without a usable eval.json."""
-    from medusa.decoding.tree import DEFAULT_TREE, build_tree, expected_tau, load_tree
+    from medusa.decoding.trees.tree import DEFAULT_TREE, build_tree, expected_tau, load_tree
 
     try:
         report = json.loads((heads_dir / "eval.json").read_text())
@@ -228,9 +228,9 @@ def shipped_kind(spec: str) -> str:
 def check_heads(src: Path | str, fmt: str | None = None) -> Path:
     """The heads' directory (`default`, `medusa`, `feature`: the shipped heads, as every command names them;
     a hub id is fetched first); refuses one without (valid) heads, or of a kind that `fmt` cannot hold."""
-    from medusa.decoding.feature_heads import read_kind
-    from medusa.decoding.head_formats import resolve_heads_dir
-    from medusa.decoding.heads import MedusaHeads
+    from medusa.decoding.proposers.feature_heads import read_kind
+    from medusa.decoding.proposers.head_formats import resolve_heads_dir
+    from medusa.decoding.proposers.heads import MedusaHeads
 
     spec = str(src)
     if spec in SHIPPED_KINDS:
@@ -323,12 +323,12 @@ def _sizes(heads_dir: Path) -> tuple[int, int] | None:
 
 def export_to_shipped(src: Path, force: bool = False, fmt: str = "native") -> tuple[Measure | None, Measure | None]:
     """Replace the shipped heads with `src`; returns (new, old) measures."""
-    from medusa.decoding.tree import DEFAULT_TREE
+    from medusa.decoding.trees.tree import DEFAULT_TREE
 
     if fmt != "native":
         raise MedusaError(f"--format: the shipped heads are stored in the native format, not {fmt!r}")
     src = check_heads(src)
-    from medusa.decoding.feature_heads import read_kind
+    from medusa.decoding.proposers.feature_heads import read_kind
 
     if read_kind(src) == "feature":
         raise MedusaError(f"--to-shipped: replaces the shipped Medusa heads, and {src} holds feature heads")

@@ -78,7 +78,7 @@ class FeatureTrainConfig(RunConfig):
     eval_steps: int = Field(default=6, ge=1, le=12)
     threads: int | None = Field(default=None, gt=0)
     # Matmuls of the training step: bf16 under autocast with fp32 master weights and fp32 losses, or
-    # fp32 throughout; auto: bf16 where the device multiplies bf16 natively (medusa.decoding.hardware).
+    # fp32 throughout; auto: bf16 where the device multiplies bf16 natively (medusa.decoding.target.hardware).
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     # Where a run with no checkpoint of its own starts: a checkpoint directory (`.../checkpoints/step-N`) or a
     # run directory (its latest checkpoint), e.g. one committed from another machine (`--resume PATH`).
@@ -117,7 +117,7 @@ class FeatureTrainConfig(RunConfig):
     @field_validator("tau_tree")
     @classmethod
     def _dynamic(cls, v: str) -> str:
-        from medusa.decoding.dynamic_tree import is_dynamic, parse_shape
+        from medusa.decoding.trees.dynamic_tree import is_dynamic, parse_shape
 
         if not is_dynamic(v):
             raise ValueError(f"{v!r}: feature heads grow dynamic trees (dynamic-N, dynamic-NxD, dynamic-NxDxK)")
@@ -177,7 +177,7 @@ def make_head(cfg: FeatureTrainConfig, hf, feats: Features, resume: Path | None)
     grown since, and the state trained on those ids)."""
     from safetensors.torch import load_file
 
-    from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
+    from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
 
     if resume is None:
         ids = draft_vocabulary(torch.bincount(feats.answer_tokens(), minlength=hf.config.vocab_size),
@@ -193,7 +193,7 @@ def make_head(cfg: FeatureTrainConfig, hf, feats: Features, resume: Path | None)
 
 
 def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare_only: bool = False) -> dict:
-    from medusa.decoding.model import load_target
+    from medusa.decoding.target.model import load_target
     from medusa.train.dist import init_dist
 
     if cfg.threads:
@@ -295,7 +295,7 @@ def run_feature_training(cfg: FeatureTrainConfig, progress: bool = True, prepare
 def step_autocast(precision: str, device: torch.device) -> torch.autocast:
     """The autocast context of a training step: bf16 matmuls (fp32 master weights) when `precision` says
     bf16, or says auto and the device multiplies bf16 natively; disabled otherwise."""
-    from medusa.decoding.hardware import machine
+    from medusa.decoding.target.hardware import machine
 
     bf16 = precision == "bf16" or (precision == "auto" and machine(device).native_bf16)
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 def evaluate_saved(cfg: FeatureTrainConfig, head_dir: str | Path) -> dict:
     """Measure the head in `head_dir` again on `cfg`'s held-out split (e.g. at more draft steps) and
     rewrite its eval.json, keeping what the training recorded there (steps, trained positions)."""
-    from medusa.decoding.feature_heads import FeatureHead
-    from medusa.decoding.model import load_target
+    from medusa.decoding.proposers.feature_heads import FeatureHead
+    from medusa.decoding.target.model import load_target
     from medusa.train.data import load_examples, split_groups
     from medusa.train.feature import chunk_groups
 
@@ -43,8 +43,8 @@ def evaluate_saved(cfg: FeatureTrainConfig, head_dir: str | Path) -> dict:
 def predicted_tau(tree: str, report: dict) -> float:
     """The tokens per step a `tree` (dynamic-N[xD[xK]]) of this head is expected to accept, from its
     held-out rank accuracies (what auto mode plans with)."""
-    from medusa.decoding.dynamic_tree import parse_shape
-    from medusa.decoding.feature_proposer import expected_tau_dynamic
+    from medusa.decoding.trees.dynamic_tree import parse_shape
+    from medusa.decoding.proposers.feature_proposer import expected_tau_dynamic
 
     return expected_tau_dynamic(parse_shape(tree), report["rank_accuracy"])
 
@@ -54,7 +54,7 @@ def measure_tau(cfg: FeatureTrainConfig, hf, tokenizer, head, held: list[dict]) 
     """Tokens per step when the head drafts `cfg.tau_tree` for the target, greedy, over the first
     `measure_tau_prompts` held-out prompts (`measure_tau_tokens` new tokens each)."""
     from medusa.decoding.engine import Engine
-    from medusa.decoding.transformer import Transformer
+    from medusa.decoding.target.transformer import Transformer
     from medusa.runtime.feature import feature_proposer
     from medusa.runtime.runtime import Runtime, eos_ids
 
@@ -78,7 +78,7 @@ def other_answers(cfg: FeatureTrainConfig, hf, tokenizer) -> list[dict]:
     Written once to run_dir/other_answers.json and read back from there after (a resumed run, a later
     evaluation), so every report of a run counts the same texts."""
     from medusa.decoding.engine import Engine
-    from medusa.decoding.transformer import Transformer
+    from medusa.decoding.target.transformer import Transformer
     from medusa.prompts import load_prompts
     from medusa.runtime.runtime import Runtime, eos_ids
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa.decoding.heads import MedusaHeads
+from medusa.decoding.proposers.heads import MedusaHeads
 
 
 class HeadObjective(nn.Module):

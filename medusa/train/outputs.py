@@ -76,8 +76,8 @@ def write_heads_dir(run, heads_dir: Path, report: dict) -> None:
 
 
 def write_trees(accuracy: list[list[float]], budgets: list[int], directory: Path) -> list[Path]:
-    """tree-{budget}.yaml from measured head accuracies (medusa.decoding.tree.build_tree)."""
-    from medusa.decoding.tree import build_tree
+    """tree-{budget}.yaml from measured head accuracies (medusa.decoding.trees.tree.build_tree)."""
+    from medusa.decoding.trees.tree import build_tree
 
     directory.mkdir(parents=True, exist_ok=True)
     out = []

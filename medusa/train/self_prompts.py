@@ -34,10 +34,10 @@ from pathlib import Path
 
 import yaml
 
-from medusa.decoding.chat import has_chat_template
+from medusa.decoding.target.chat import has_chat_template
 from medusa.decoding.engine import Engine
 from medusa.decoding.sampling import SamplingParams
-from medusa.decoding.transformer import cache_capacity
+from medusa.decoding.target.transformer import cache_capacity
 from medusa.errors import MedusaError
 from medusa.io import write_text_atomic
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from medusa.decoding.heads import HeadsConfig, MedusaHeads
-from medusa.decoding.model import load_target
+from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.target.model import load_target
 from medusa.train import checkpoint as ckpt
 from medusa.train.batches import Batches, SequenceBatches, TableBatches, cached_tables
 from medusa.train.config import TrainConfig

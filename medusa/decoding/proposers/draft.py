@@ -15,8 +15,8 @@ A draft is a `DraftModel`: its Transformer and the head that scores its next tok
 part of the vocabulary (`vocab`, the full id of each row): a full-vocabulary projection is the costliest
 part of a small draft.
 
-Nothing loops over rows in Python. The verifier sees a chain (`medusa.decoding.tree.chain(K)`), so greedy output is
-token-identical to plain decoding whatever the draft proposes.
+Nothing loops over rows in Python. The verifier sees a chain (`medusa.decoding.trees.tree.chain(K)`), so greedy
+output is token-identical to plain decoding whatever the draft proposes.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import torch
 
 from medusa.errors import MedusaError
 from medusa.io import ASSETS
-from medusa.decoding.kernels import packed_linear, rows_linear
+from medusa.decoding.target.kernels import packed_linear, rows_linear
 from medusa.decoding.proposers import RowState, StaticProposer, aux_state, catch_up, common_prefix, context
-from medusa.decoding.transformer import KVCache, Transformer, causal
-from medusa.decoding.tree import chain
+from medusa.decoding.target.transformer import KVCache, Transformer, causal
+from medusa.decoding.trees.tree import chain
 from medusa.decoding.verifier import argmax
 
 if TYPE_CHECKING:
@@ -244,7 +244,7 @@ def _load(spec: str, target: torch.nn.Module) -> tuple[torch.nn.Module, torch.Te
             raise MedusaError(f"--draft: {spec!r}: expected layers:N with an integer N") from None
         return truncated_model(target, n), None
     if spec == "default":
-        from medusa.decoding.model import NAMED_MODELS, named_model_of
+        from medusa.decoding.target.model import NAMED_MODELS, named_model_of
 
         named = named_model_of(target)
         spec = (NAMED_MODELS[named].draft or spec) if named is not None else spec
@@ -268,7 +268,7 @@ def _load(spec: str, target: torch.nn.Module) -> tuple[torch.nn.Module, torch.Te
     if spec == "default":
         raise MedusaError("--draft default: no shipped draft model; build one with `medusa train-draft` "
                           "or pass --draft layers:N")
-    from medusa.decoding.model import load_target
+    from medusa.decoding.target.model import load_target
 
     hf, _ = load_target(spec, target.dtype, target.device)
     if hf.config.vocab_size < target.config.vocab_size:

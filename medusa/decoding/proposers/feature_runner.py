@@ -1,8 +1,8 @@
-"""A feature head at inference (`medusa.decoding.feature_heads`): the head's packed copy in the target's dtype
+"""A feature head at inference (`medusa.decoding.proposers.feature_heads`): the head's packed copy in the target's dtype
 running over its own per-row KV cache, the taps that collect fused target features, and the per-row state
 kept beside a batch.
 
-The layer is the target's own architecture run through `medusa.decoding.transformer`'s fused, packed layer
+The layer is the target's own architecture run through `medusa.decoding.target.transformer`'s fused, packed layer
 code and attention; the vocabulary projection reads only the draft vocabulary (`draft_ids`).
 """
 
@@ -16,18 +16,19 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from medusa.decoding.feature_heads import FeatureHead
+from medusa.decoding.proposers.feature_heads import FeatureHead
 from medusa.decoding.proposers import RowState
 from medusa.errors import MedusaError
-from medusa.decoding.kernels import LayerInputs, packed_linear, pass_mask, rows_linear, short_block_bias
-from medusa.decoding.transformer import (SHORT_BLOCK, DecoderLayer, KVCache, RMSNorm, RotaryTable, Transformer,
+from medusa.decoding.target.kernels import LayerInputs, packed_linear, pass_mask, rows_linear, short_block_bias
+from medusa.decoding.target.transformer import (SHORT_BLOCK, DecoderLayer, KVCache, RMSNorm, RotaryTable, Transformer,
                                          attention_dtype, cache_dtype)
 
 if TYPE_CHECKING:
     from medusa.decoding.verifier import Verdict
 
 class _HeadLayer(DecoderLayer):
-    """`medusa.decoding.transformer.DecoderLayer` (fused, packed projections, the shared attention) with the head's
+    """`medusa.decoding.target.transformer.DecoderLayer` (fused, packed projections, the shared attention) with the
+    head's
     inputs: eagle1 attends over x itself (no input norm); eagle3 over [norm(emb), norm(x)], residual x."""
 
     def __init__(self, head: FeatureHead, head_dim: int):

@@ -1,7 +1,7 @@
 """Dynamic draft trees (EAGLE-2): a different tree per row and per step, verified in one target pass.
 
-A static tree (`medusa.decoding.tree.Tree`) has one shape for every row and every step. A dynamic tree is grown from
-the proposer's own confidence: each draft step expands the top-k children of the frontier, every node is
+A static tree (`medusa.decoding.trees.tree.Tree`) has one shape for every row and every step. A dynamic tree is grown
+from the proposer's own confidence: each draft step expands the top-k children of the frontier, every node is
 scored by the sum of log-probabilities along its path, the k best become the next frontier, and after D
 steps the N best nodes overall are verified. Scores only fall along a path (ties broken towards the
 shallower node), so a kept node's parent is always kept and the selection is a tree.
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from medusa.decoding.proposers import GrowingProposer
-from medusa.decoding.tree import Tree
+from medusa.decoding.trees.tree import Tree
 from medusa.decoding.verifier import RowTrees
 from medusa.errors import MedusaError
 

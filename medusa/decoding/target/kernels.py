@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from medusa.decoding.invariant import InvariantPlan
+    from medusa.decoding.target.invariant import InvariantPlan
 
 
 def fuse(*linears: nn.Linear) -> nn.Linear:
@@ -55,7 +55,7 @@ class Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
     # Most rows per matmul, or None for any number: a batch-invariant model sets invariant.ROW_BLOCK, since
-    # the kernels may split a long reduction differently once a pass has more rows (`medusa.decoding.invariant`).
+    # the kernels may split a long reduction differently once a pass has more rows (`medusa.decoding.target.invariant`).
     row_block: int | None = None
 
     def _blocked(self, x: torch.Tensor) -> bool:
@@ -139,7 +139,7 @@ class LayerInputs:
     kv:      [layers, 2, B, KV, L, D]: the rows' cache window (a view), L slots
     row_idx: [B, 1] long, the rows' indices in the window
     slots:   [B, T] long, where the block's K/V go; or an int, one row's first slot (a contiguous run)
-    mask:    [B, 1, T, L] bool, a `medusa.decoding.invariant.InvariantPlan`, or None (one token of one row:
+    mask:    [B, 1, T, L] bool, a `medusa.decoding.target.invariant.InvariantPlan`, or None (one token of one row:
              no mask)
     bias:    [B*KV, G*T, L] float, the mask's additive form for short blocks, or None
     """

@@ -11,14 +11,15 @@ chosen before it. A feature head drafts one position at a time, feeding back its
              [norm(emb(x_{s+1})), norm(h_s)] (2h), residual h_s; output o_{s+1} -> norm -> lm_head
 
 The layer is the target's own architecture (an HF decoder layer built from the target's config, trained
-in torch; at inference the same weights run through `medusa.decoding.transformer`'s fused, packed layer code and
+in torch; at inference the same weights run through `medusa.decoding.target.transformer`'s fused, packed layer code and
 attention). The vocabulary projection reads only the draft vocabulary (the most frequent answer tokens,
 `draft_ids`), mapped back to full ids. Drafting step j at position s feeds (f^_s, drafted token) and the
 head's own small KV cache keeps every committed position: one per row, ragged, like the draft model's
-(`medusa.decoding.draft`): entries are exact as long as the committed tokens they came from are unchanged.
+(`medusa.decoding.proposers.draft`): entries are exact as long as the committed tokens they came from are unchanged.
 
 This module holds the head itself (config, training-side forward, saving and loading); its inference copy
-over a ragged KV cache is `medusa.decoding.feature_runner`, the proposer `medusa.decoding.feature_proposer`.
+over a ragged KV cache is `medusa.decoding.proposers.feature_runner`, the proposer
+`medusa.decoding.proposers.feature_proposer`.
 
 On disk (`medusa export` / `save`): ours (`heads.json` with `"kind": "feature"` + `feature_head.safetensors`),
 EAGLE-1 (`config.json` one-layer Llama config, `fc.*`, `layers.0.*`) and EAGLE-3 (`fc`, `midlayer.*`,
@@ -40,7 +41,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 
 from medusa.errors import MedusaError
 from medusa.io import ASSETS
-from medusa.decoding.transformer import causal
+from medusa.decoding.target.transformer import causal
 
 KIND = "feature"
 STYLES = ("eagle1", "eagle3")
@@ -235,7 +236,7 @@ class FeatureHead(nn.Module):
                                   f"unexpected {unexpected[:3]})")
             head.bind(target)
         else:
-            from medusa.decoding.feature_formats import load_eagle
+            from medusa.decoding.proposers.feature_formats import load_eagle
 
             head = load_eagle(d, target)
         head.directory = d

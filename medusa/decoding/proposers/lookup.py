@@ -15,7 +15,7 @@ import torch
 
 from medusa.errors import MedusaError
 from medusa.decoding.proposers import StaticProposer, context
-from medusa.decoding.tree import chain
+from medusa.decoding.trees.tree import chain
 
 if TYPE_CHECKING:
     from medusa.decoding.batch import Batch

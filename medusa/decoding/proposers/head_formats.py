@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from medusa.decoding.heads import HeadsConfig, MedusaHeads
+from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
 from medusa.errors import MedusaError
 from medusa.io import write_atomic, write_json_atomic
 

@@ -115,7 +115,7 @@ def _read_weights(d: Path) -> dict[str, torch.Tensor]:
 
 def load_eagle(directory: str | Path, target: nn.Module):
     """A FeatureHead from an EAGLE-1 or EAGLE-3 checkpoint directory (detected from the weight names)."""
-    from medusa.decoding.feature_heads import FeatureHead, FeatureHeadConfig
+    from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
 
     d = Path(directory)
     meta = json.loads((d / "config.json").read_text())

@@ -7,7 +7,7 @@ the frozen base lm_head (shared, the default: ~0.33 M parameters per head on a 5
 head's own copy initialised from it (the original Medusa layout).
 
 The layouts heads are saved in and loaded from (ours, Medusa v1/v2, vLLM) are in
-`medusa.decoding.head_formats`; `MedusaHeads.load` and `save` go through it.
+`medusa.decoding.proposers.head_formats`; `MedusaHeads.load` and `save` go through it.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class MedusaHeads(nn.Module):
         """The shared base lm_head's rows of the candidate ids as one packed projection (row i scores
         candidate_ids[i]); built on first use, rebuilt after the candidates or the projection change."""
         if self._candidate_proj is None:
-            from medusa.decoding.kernels import packed_linear, rows_linear
+            from medusa.decoding.target.kernels import packed_linear, rows_linear
 
             self._candidate_proj = packed_linear(rows_linear(self.base_lm_head.weight, self.candidate_ids))
         return self._candidate_proj
@@ -182,13 +182,13 @@ class MedusaHeads(nn.Module):
         The last two store a vocabulary projection, so heads that share the base lm_head need it bound
         (`attach` or `use_projection`).
         """
-        from medusa.decoding.head_formats import write_heads
+        from medusa.decoding.proposers.head_formats import write_heads
 
         return write_heads(self, Path(directory), layout or ("medusa" if medusa_layout else "native"))
 
     def medusa_state(self) -> dict[str, torch.Tensor]:
         """The tensors of the FasterDecoding v1 layout (see `head_formats.medusa_state`)."""
-        from medusa.decoding.head_formats import medusa_state
+        from medusa.decoding.proposers.head_formats import medusa_state
 
         return medusa_state(self)
 
@@ -200,14 +200,14 @@ class MedusaHeads(nn.Module):
 
     def tree(self, spec: "str | Path | list | None" = None):
         """A tree by name, resolved against these heads' own trees first; None: their default tree."""
-        from medusa.decoding.tree import DEFAULT_TREE, load_tree
+        from medusa.decoding.trees.tree import DEFAULT_TREE, load_tree
 
         return load_tree(DEFAULT_TREE if spec is None else spec, heads_dir=self.directory)
 
     @classmethod
     def load(cls, directory: str | Path) -> "MedusaHeads":
         """Load any layout from a directory, a hub id (when online) or `default` (the shipped heads)."""
-        from medusa.decoding.head_formats import read_heads, resolve_heads_dir
+        from medusa.decoding.proposers.head_formats import read_heads, resolve_heads_dir
 
         directory = SHIPPED_DIR if str(directory) == "default" else resolve_heads_dir(directory)
         heads = read_heads(directory)

@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from medusa.errors import MedusaError
-from medusa.decoding import invariant
-from medusa.decoding.kernels import LayerInputs, Linear, attention, fuse, packed_linear, pass_mask, short_block_bias
+from medusa.decoding.target import invariant
+from medusa.decoding.target.kernels import (
+    LayerInputs, Linear, attention, fuse, packed_linear, pass_mask, short_block_bias
+)
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -122,7 +124,7 @@ class Transformer(nn.Module):
 
     @property
     def invariant(self) -> bool:
-        """Batch invariance (`medusa.decoding.invariant`): a row's results do not depend on the pass, through
+        """Batch invariance (`medusa.decoding.target.invariant`): a row's results do not depend on the pass, through
         the attention and through projections run at most `invariant.ROW_BLOCK` rows per matmul."""
         return self._invariant
 

@@ -1,7 +1,7 @@
 """Retrieval drafts: what followed earlier occurrences of the text's own suffix (prompt and output so far),
 as branches of a dynamic tree, alone or grafted onto a head's tree under one node budget.
 
-Each row keeps a suffix automaton (`medusa.decoding.suffix`) of its committed tokens and pending root,
+Each row keeps a suffix automaton (`medusa.decoding.proposers.suffix`) of its committed tokens and pending root,
 grown by the tokens each step commits. A step asks it for up to `branches` ranked continuations, each at
 most `depth` tokens, and scores every token by the log of its chance of being accepted, measured on the
 target's own greedy answers by match length (`ACCEPT`, from `benchmarks/retrieval_acceptance.py`):
@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Hashable
 
 import torch
 
-from medusa.decoding.dynamic_tree import NEG, Growth, Pool, stand_in_tree
+from medusa.decoding.trees.dynamic_tree import NEG, Growth, Pool, stand_in_tree
 from medusa.decoding.proposers import GrowingProposer, Proposer, RowState, aux_state, context
-from medusa.decoding.suffix import Datastore, Matcher, SuffixAutomaton
+from medusa.decoding.proposers.suffix import Datastore, Matcher, SuffixAutomaton
 from medusa.decoding.verifier import RowTrees
 from medusa.errors import MedusaError
 

@@ -22,7 +22,7 @@ This attention keeps every reduction in a fixed order (`probe` checks that the m
 The linear layers need one thing more: oneDNN's bf16 kernels give a row the same bits in a matmul of any
 number of rows up to about 130, but above that (a batched prefill) they may split a long reduction
 (1,536 inputs here) into blocks in an order that depends on the number of rows. With invariance on, every
-projection runs at most ROW_BLOCK rows per matmul (`medusa.decoding.kernels.Linear.row_block`), and never one
+projection runs at most ROW_BLOCK rows per matmul (`medusa.decoding.target.kernels.Linear.row_block`), and never one
 row alone: some CPUs (AMD Zen 4) give a one-row product a matrix-vector kernel that rounds a long reduction
 otherwise, so a lone row runs as two copies of itself.
 
@@ -146,8 +146,8 @@ def probe(device: str, dtype: torch.dtype) -> str | None:
     projections of one row alone and among others (37 rows of 96 inputs; 133 rows of 1,536 inputs, a model's MLP
     down-projection, in blocks of ROW_BLOCK), and this attention for one query alone, in a batch and as a
     tree node whose ancestors straddle a group, must give the same bits."""
-    from medusa.decoding.kernels import packed_linear, pass_mask
-    from medusa.decoding.transformer import causal
+    from medusa.decoding.target.kernels import packed_linear, pass_mask
+    from medusa.decoding.target.transformer import causal
 
     if torch.device(device).type != "cpu":
         return f"batch-invariant attention is measured on CPUs only, not on {device}"

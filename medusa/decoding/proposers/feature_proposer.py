@@ -1,6 +1,6 @@
 """The feature-head proposer: each engine step the head catches up on the row's newly committed positions
 (their true features come from the verification pass that accepted them), then grows a dynamic tree
-(`medusa.decoding.dynamic_tree`) of `nodes` candidates, `depth` draft steps deep, expanding the `topk` best
+(`medusa.decoding.trees.dynamic_tree`) of `nodes` candidates, `depth` draft steps deep, expanding the `topk` best
 frontier nodes each step. Also the tree budgets a head can fill and their expected acceptance.
 """
 
@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from medusa.decoding.dynamic_tree import DEFAULT_TOPK, NEG, Growth, Pool, TreeShape, expand, pool_size
-from medusa.decoding.feature_heads import FeatureHead
-from medusa.decoding.feature_runner import DraftBlock, FeatureState, HeadRunner, LayerTaps
+from medusa.decoding.trees.dynamic_tree import DEFAULT_TOPK, NEG, Growth, Pool, TreeShape, expand, pool_size
+from medusa.decoding.proposers.feature_heads import FeatureHead
+from medusa.decoding.proposers.feature_runner import DraftBlock, FeatureState, HeadRunner, LayerTaps
 from medusa.decoding.proposers import GrowingProposer, aux_state, catch_up, common_prefix, context, rewound
-from medusa.decoding.transformer import Transformer, causal
-from medusa.decoding.tree import build_tree, expected_tau
+from medusa.decoding.target.transformer import Transformer, causal
+from medusa.decoding.trees.tree import build_tree, expected_tau
 from medusa.decoding.verifier import ACCEPT_REJECTION, sample_from
 from medusa.errors import MedusaError
 

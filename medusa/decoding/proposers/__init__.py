@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from medusa.errors import MedusaError
-from medusa.decoding.heads import MedusaHeads
-from medusa.decoding.transformer import KVCache
-from medusa.decoding.tree import DEFAULT_TREE, Tree, load_tree
+from medusa.decoding.proposers.heads import MedusaHeads
+from medusa.decoding.target.transformer import KVCache
+from medusa.decoding.trees.tree import DEFAULT_TREE, Tree, load_tree
 from medusa.decoding.verifier import RowTrees
 
 if TYPE_CHECKING:
     from medusa.decoding.batch import Batch
-    from medusa.decoding.dynamic_tree import Growth
+    from medusa.decoding.trees.dynamic_tree import Growth
     from medusa.decoding.verifier import Verdict
 
 
@@ -90,11 +90,11 @@ class StaticProposer(Proposer):
 
 class GrowingProposer(Proposer):
     """A proposer that grows a tree per row: every step it generates a pool of scored nodes (`grow`), and
-    its draft is the best `max_nodes - 1` of them. `medusa.decoding.retrieval.MergedProposer` grafts
+    its draft is the best `max_nodes - 1` of them. `medusa.decoding.proposers.retrieval.MergedProposer` grafts
     retrieval's branches onto that pool before the cut."""
 
     def grow(self, batch: "Batch") -> "Growth":
-        """The step's whole pool of drafted nodes for the active rows (`medusa.decoding.dynamic_tree.Growth`)."""
+        """The step's whole pool of drafted nodes for the active rows (`medusa.decoding.trees.dynamic_tree.Growth`)."""
         raise NotImplementedError
 
     @torch.inference_mode()
