@@ -22,9 +22,9 @@ This attention keeps every reduction in a fixed order (`probe` checks that the m
 The linear layers need one thing more: oneDNN's bf16 kernels give a row the same bits in a matmul of any
 number of rows up to about 130, but above that (a batched prefill) they may split a long reduction
 (1,536 inputs here) into blocks in an order that depends on the number of rows. With invariance on, every
-projection runs at most ROW_BLOCK rows per matmul (`medusa.decoding.target.kernels.Linear.row_block`), and never one
-row alone: some CPUs (AMD Zen 4) give a one-row product a matrix-vector kernel that rounds a long reduction
-otherwise, so a lone row runs as two copies of itself.
+projection runs at most ROW_BLOCK rows per matmul (`medusa.decoding.target.kernels.Linear.row_block`), and
+never one row alone: some CPUs (AMD Zen 4) give a one-row product a matrix-vector kernel that rounds a long
+reduction otherwise, so a lone row runs as two copies of itself.
 
 Committed keys and prompt chunks sit at their canonical positions already: their groups are the cache's own
 blocks of GROUP slots, read in place. Only a tree's nodes can sit in a later block than their group (a node
