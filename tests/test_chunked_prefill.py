@@ -45,18 +45,24 @@ def make(name: str, model, engine):
     if name == "feature+retrieval":
         head = FeatureHead(FeatureHeadConfig(c.hidden_size, c.vocab_size, c.vocab_size), model)
         return MergedProposer(FeatureProposer(head, engine.model, TreeShape(8, 3, 3)), Retriever(3, 6))
+    if name == "eagle3":  # fused features of two target layers, kept by taps on those layers
+        cfg = FeatureHeadConfig(c.hidden_size, c.vocab_size, c.vocab_size, style="eagle3", feature_layers=[1, 2])
+        return FeatureProposer(FeatureHead(cfg, model), engine.model, TreeShape(8, 3, 3))
     if name == "draft":
         return DraftProposer(Transformer(tiny_model("llama", seed=5, vocab=V)), k=3)
     return LookupProposer(k=4)
 
 
-@pytest.mark.parametrize("name", ["plain", "medusa", "feature+retrieval", "draft", "lookup"])
+@pytest.mark.parametrize("name", ["plain", "medusa", "feature+retrieval", "eagle3", "draft", "lookup"])
 @pytest.mark.parametrize("chunk, fused", [(1, True), (7, True), (32, True), (7, False)])
 def test_chunked_rows_decode_as_they_would_alone(small, name, chunk, fused):
     """Rows join (short prompts whole, long ones `chunk` tokens per step: in the running rows' pass when
     `fused`, else in a pass of their own), leave at their own lengths and decode speculatively meanwhile:
     every row's tokens equal its solo greedy decoding (fp32)."""
     model, engine = small
+    if name == "eagle3":  # its taps stay on the target's layers: a target of its own
+        model = tiny_model("llama", seed=3, vocab=V)
+        engine = Engine(Transformer(model), eos_token_ids=None)
     ps = prompts(7, seed=chunk)
     limits = [5, 20, 9, 20, 14, 20, 11]
     solo = [engine.generate([p], m).outputs[0].tokens for p, m in zip(ps, limits)]
@@ -157,3 +163,24 @@ def test_a_fused_pass_gives_each_part_what_its_own_pass_gives(small):
     for a, f in zip(alone, fused):
         assert torch.equal(a, f)
     assert torch.equal(cache.data, kv)
+
+
+def test_prompts_of_unequal_lengths_prefill_without_padding(small, monkeypatch):
+    """Rows added together whose right-padding would be mostly padding go as one unpadded pass of parts
+    (`PACK_PADDING`); prompts of equal length keep the single padded pass. Either way every row decodes as it
+    does alone, speculative or not (fp32)."""
+    model, engine = small
+    calls = []
+    fused = Transformer.forward_parts
+    monkeypatch.setattr(Transformer, "forward_parts", lambda self, cache, parts: calls.append(len(parts)) or
+                        fused(self, cache, parts))
+    g = torch.Generator().manual_seed(9)
+    uneven = [torch.randint(0, V, (n,), generator=g).tolist() for n in (3, 41, 17)]
+    even = [torch.randint(0, V, (20,), generator=g).tolist() for _ in range(3)]
+    for ps, packed in ((uneven, [3]), (even, [])):
+        solo = [engine.generate([p], 12).outputs[0].tokens for p in ps]
+        for name in ("plain", "feature+retrieval"):
+            calls.clear()
+            out = engine.generate(ps, 12, make(name, model, engine))
+            assert [o.tokens for o in out.outputs] == solo
+            assert calls == packed

@@ -116,11 +116,14 @@ class Engine(Prefilling):
         roots = batch.root[rows, None]
         tokens = torch.cat([roots, trees.tokens.to(roots.device)], dim=1) if trees.tokens.shape[1] else roots
         part = PassInputs(tokens, batch.cache.lens[rows, None] + trees.node_depth, rows, trees.mask)
-        if prefill and batch.pending is not None and batch.pending.left:
+        carry = prefill and batch.pending is not None and batch.pending.left
+        if carry and self.model.fuses_parts:
             chunk = self._chunk(batch, prefill)
             hidden, chunk_hidden = self.model.forward_parts(batch.cache, [part, chunk])
             self._chunk_done(batch, chunk, chunk_hidden)
         else:
+            if carry:  # taps on the target's layers keep one pass's outputs: the chunk goes first, alone
+                self.advance(batch, prefill)
             hidden = self.model(part.tokens, part.positions, batch.cache, rows, part.mask)
         return VerifyPass(rows, tokens, hidden, self.model.lm_head(hidden))
 

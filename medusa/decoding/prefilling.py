@@ -17,6 +17,10 @@ from medusa.decoding.sampling import GREEDY, SamplingParams
 from medusa.decoding.target.transformer import PassInputs, Transformer, causal
 from medusa.decoding.verifier import argmax, sample_from
 
+# Rows prefilled together are right-padded to the longest; when that would add more than this share of padding
+# tokens, they go as one unpadded sequence of parts instead (per-row attention, shared linear layers).
+PACK_PADDING = 0.05
+
 
 class Prefilling:
     """Prompt prefill for an engine of target `model` stopping at `eos` [E] long."""
@@ -141,10 +145,27 @@ class Prefilling:
         `rows`, after the `start` tokens their cache holds; returns hidden [k, T, H]."""
         k, t = tokens.shape
         batch.cache.lens[rows] = start
-        positions = (start + torch.arange(t, device=tokens.device)).expand(k, t)
-        hidden = self.model(tokens, positions, batch.cache, rows, causal(t, tokens.device))
+        sizes = lengths.tolist()
+        if k > 1 and k * t > (1 + PACK_PADDING) * sum(sizes) and self.model.fuses_parts:
+            hidden = self._packed(batch, rows, tokens, sizes, start)
+        else:
+            positions = (start + torch.arange(t, device=tokens.device)).expand(k, t)
+            hidden = self.model(tokens, positions, batch.cache, rows, causal(t, tokens.device))
         batch.stats.forward_passes += 1
         self._prefilled(batch, rows, tokens, lengths, hidden, start)
+        return hidden
+
+    def _packed(self, batch: Batch, rows: slice, tokens: torch.Tensor, sizes: list[int], start: int) -> torch.Tensor:
+        """`_prefill`'s pass with the padding left out: each row a part of its own length, so the linear
+        layers run over the prompts' tokens only (`Transformer.forward_parts`); -> hidden [k, T, H], zero
+        past each row's length."""
+        dev = tokens.device
+        parts = [PassInputs(tokens[i:i + 1, :n], start + torch.arange(n, device=dev)[None],
+                            slice(rows.start + i, rows.start + i + 1), causal(n, dev)) for i, n in enumerate(sizes)]
+        out = self.model.forward_parts(batch.cache, parts)
+        hidden = out[0].new_zeros(*tokens.shape, out[0].shape[-1])
+        for i, (h, n) in enumerate(zip(out, sizes)):
+            hidden[i, :n] = h[0]
         return hidden
 
     @staticmethod

@@ -175,10 +175,18 @@ class Transformer(nn.Module):
             x = layer.forward(x, at, at.kv[i])
         return self.norm.forward(x)
 
+    @property
+    def fuses_parts(self) -> bool:
+        """Whether `forward_parts` can run: no layer is wrapped (a feature head's taps keep one pass's output
+        per layer, so a pass of several parts would hand them a mix)."""
+        return all(isinstance(layer, DecoderLayer) for layer in self.layers)
+
     def forward_parts(self, cache: KVCache, parts: list[PassInputs]) -> list[torch.Tensor]:
         """One pass over several parts (the running rows' candidate trees, a prompt chunk): the linear
         layers run once over every part's tokens, so the weights are read once, and attention runs per
         part. -> each part's hidden [B, T, h]."""
+        if not self.fuses_parts:
+            raise MedusaError("the target's layers are wrapped (feature taps): run each part in a pass of its own")
         self.passes += 1
         ready = [self.prepare(p, cache) for p in parts]
         shapes = [x.shape[:2] for x, _ in ready]
