@@ -31,7 +31,8 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     from medusa.decoding.trees.dynamic_tree import parse_shape
     from medusa.decoding.proposers.feature_heads import FeatureHead
-    from medusa.decoding.proposers.feature_proposer import FeatureProposer, expected_tau_dynamic
+    from medusa.decoding.proposers.feature_proposer import FeatureProposer
+    from medusa.decoding.trees.dynamic_tree import expected_tau_dynamic
     from medusa.decoding.trees.tree import build_tree
     from medusa.prompts import load_prompts
     from medusa.runtime import Runtime

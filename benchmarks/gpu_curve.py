@@ -12,7 +12,7 @@ Beside it, at the same batch sizes:
 
 - Medusa heads (4 heads x 1 residual layer over the shared lm_head): `measure_heads`, as calibration;
 - a feature head (EAGLE-style, one decoder layer of the target's shape, a `--feature-vocab` draft
-  vocabulary): one draft pass over 2 and over top-k entries per row (`feature_runner.draft_pass_ms`);
+  vocabulary): one draft pass over 2 and over top-k entries per row (`medusa.runtime.timing.draft_pass_ms`);
 - an external draft model: the target's first `--draft-layers` layers with a `--draft-vocab` projection.
 
 Predicted speedup over plain decoding at each B, from the acceptance measured on the embedded model
@@ -150,7 +150,8 @@ def _oom(exc: BaseException) -> bool:
 def measure(args, acc: dict, shape) -> dict:
     from medusa.runtime.timing import measure_forward, measure_heads
     from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
-    from medusa.decoding.proposers.feature_runner import HeadRunner, draft_pass_ms
+    from medusa.decoding.proposers.feature_proposer import HeadRunner
+    from medusa.runtime.timing import draft_pass_ms
     from medusa.decoding.proposers.heads import HeadsConfig, MedusaHeads
     from medusa.decoding.target.hardware import TORCH_DTYPES
     from medusa.decoding.target.transformer import Transformer

@@ -385,7 +385,6 @@ def test_slow_planning_closes_the_gate_at_any_batch_size(slow):
 def test_feature_planning_reads_the_curve_and_times_nothing(tmp_path, monkeypatch):
     """Auto mode with a feature head measures the head's draft passes with the target's curve, once per
     machine; planning for every batch size a generation passes through then runs no pass at all."""
-    from medusa.decoding.proposers import feature_runner
     from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
     from medusa.runtime import feature, timing
 
@@ -409,7 +408,7 @@ def test_feature_planning_reads_the_curve_and_times_nothing(tmp_path, monkeypatc
     def no_timing(*a, **k):
         raise AssertionError("planning timed a pass")
 
-    monkeypatch.setattr(feature_runner, "draft_pass_ms", no_timing)
+    monkeypatch.setattr(timing, "draft_pass_ms", no_timing)
     monkeypatch.setattr(timing, "draft_step_ms", no_timing)
     monkeypatch.setattr(timing, "target_pass_ms", no_timing)
     monkeypatch.setattr(calibrate, "measure_forward", no_timing)

@@ -251,3 +251,53 @@ def test_the_heads_mode_is_named_heads():
         assert "heads" in names and not any(n.startswith("medusa") for n in names), names
     assert RENAMED["medusa"] == "heads" and ProposerSpec.parse("medusa+retrieval").mode == "heads+retrieval"
     assert PolicyConfig(mode="medusa").mode == "heads"
+
+
+# The files a reader opens to follow one default step (feature head, retrieval grafted, greedy), and the two whose
+# bookkeeping it also runs (the acceptance histogram in outputs.py, sampling.py's checks of which rows sample).
+DEFAULT_STEP = {"engine.py", "proposers/__init__.py", "proposers/retrieval.py", "proposers/suffix.py",
+                "proposers/feature_proposer.py", "trees/dynamic_tree.py", "verifier.py", "target/transformer.py",
+                "target/kernels.py", "batch.py"}
+BOOKKEEPING = {"outputs.py", "sampling.py"}
+
+
+def test_the_default_step_runs_in_the_files_docs_engine_names():
+    """Every function the default step calls, traced: it runs in the 10 files docs/engine.md walks through,
+    plus the two of bookkeeping, and in nothing else of the package."""
+    import sys
+
+    import torch
+
+    from conftest import tiny_model
+    from medusa.decoding.engine import Engine
+    from medusa.decoding.proposers.feature_heads import FeatureHead, FeatureHeadConfig
+    from medusa.decoding.proposers.feature_proposer import FeatureProposer
+    from medusa.decoding.proposers.retrieval import MergedProposer, Retriever
+    from medusa.decoding.target.transformer import Transformer
+    from medusa.decoding.trees.dynamic_tree import TreeShape
+
+    model = tiny_model("llama", seed=3, vocab=13)
+    engine, c = Engine(Transformer(model), eos_token_ids=None), model.config
+    head = FeatureHead(FeatureHeadConfig(c.hidden_size, c.vocab_size, c.vocab_size), model)
+    proposer = MergedProposer(FeatureProposer(head, engine.model, TreeShape(8, 3, 3)), Retriever(3, 6))
+    batch = engine.new_batch(2, 128, 24)
+    proposer.attach(batch)
+    engine.add(batch, [0, 1], [[1, 2, 3, 4, 5, 1, 2, 3], [4, 5, 6, 7]], 20)
+    engine.step(batch, proposer)  # the head's first catch-up over the prompts
+    ran: set[str] = set()
+    decoding = PACKAGE / "decoding"
+
+    def calls(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(str(PACKAGE)):
+            ran.add(str(Path(frame.f_code.co_filename).relative_to(decoding)))
+
+    sys.setprofile(calls)
+    try:
+        with torch.inference_mode():
+            for _ in range(3):
+                engine.step(batch, proposer)
+    finally:
+        sys.setprofile(None)
+    assert ran == DEFAULT_STEP | BOOKKEEPING
+    doc = (ROOT / "docs" / "engine.md").read_text()
+    assert "**10 files**" in doc and all(Path(f).name in doc for f in DEFAULT_STEP)

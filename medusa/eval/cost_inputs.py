@@ -5,7 +5,6 @@ runs; every method's predictions, then the fastest method measured and predicted
 from __future__ import annotations
 
 from medusa.decoding.trees.dynamic_tree import parse_shape
-from medusa.decoding.proposers.feature_runner import draft_pass_ms
 from medusa.decoding.trees.tree import load_tree
 from medusa.eval.config import HF, EvalConfig
 from medusa.eval.costmodel import (SPECULATIVE, alpha_from_acceptance, crossover, crossover_of, drafting_ms, pays,
@@ -15,7 +14,7 @@ from medusa.eval.step_model import planned, predict_runs
 from medusa.runtime.calibrate import draft_key, host_key, load_or_measure
 from medusa.runtime.gate import bucket
 from medusa.runtime.proposers import MERGED
-from medusa.runtime.timing import Latency, draft_step_ms, measure_forward, measure_heads
+from medusa.runtime.timing import Latency, draft_pass_ms, draft_step_ms, measure_forward, measure_heads
 
 
 def build_cost_model(rt, cfg: EvalConfig, methods: Methods, results: list[dict], progress: bool) -> dict:

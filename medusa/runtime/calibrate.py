@@ -40,7 +40,7 @@ PREFIX = 256
 REPEATS = 5
 HEADS_TOPK = 10
 # A feature head's draft passes the planner prices: the catch-up pass (2 entries per row) and one expansion
-# of every top-k a candidate shape uses (`feature_proposer.shape_candidates`: min(8, nodes)).
+# of every top-k a candidate shape uses (`dynamic_tree.shape_candidates`: min(8, nodes)).
 DRAFT_TOKENS = [1, 2, 3, 4, 6, 8]
 # Two shapes whose whole draft steps are timed per batch size (`timing.draft_step_ms`): what they cost beyond
 # their head passes is the host work of a draft step, split into a fixed part and a part per expansion.
@@ -273,7 +273,7 @@ def _measure(rt, cal: Calibration, todo: dict[int, list[int]], heads_todo: list[
                                               rt.model.dtype, rt.model.device, REPEATS, rt.model.lm_head))
             bar.update(len(heads_todo))
         if drafts_todo:
-            from medusa.decoding.proposers.feature_runner import draft_pass_ms
+            from medusa.runtime.timing import draft_pass_ms
             from medusa.runtime.feature import runner_for
 
             runner, grid = runner_for(rt), cal.drafts.setdefault(draft_key(rt.feature), {})

@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from medusa.decoding.trees.dynamic_tree import TreeShape, is_dynamic, parse_shape
+from medusa.decoding.trees.dynamic_tree import TreeShape, expected_tau_dynamic, is_dynamic, parse_shape, shape_candidates
 from medusa.decoding.proposers.feature_heads import CONFIG, KIND, SHIPPED_FEATURE_DIR, FeatureHead, read_kind
 from medusa.decoding.target.model import NAMED_MODELS, named_model_of
 from medusa.io import ASSETS
-from medusa.decoding.proposers.feature_proposer import FeatureProposer, expected_tau_dynamic, shape_candidates
-from medusa.decoding.proposers.feature_runner import HeadRunner
+from medusa.decoding.proposers.feature_proposer import FeatureProposer, HeadRunner
 from medusa.decoding.proposers.retrieval import MergedProposer
 from medusa.errors import MedusaError
 from medusa.runtime.auto import MARGIN, Plan, read_accuracy, realised_note, weighed

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from medusa.decoding.proposers.feature_proposer import DraftBlock, HeadRunner
 from medusa.decoding.target.transformer import causal
 from medusa.errors import MedusaError
 
@@ -220,3 +221,27 @@ def heads_ms(heads: dict[int, float], batch: int) -> float:
     if lo == hi:
         return heads[lo] * batch / lo
     return heads[lo] + (heads[hi] - heads[lo]) * (batch - lo) / (hi - lo)
+
+
+def draft_pass_ms(runner: HeadRunner, rows: int, tokens: int, prefix: int = 256, repeats: int = 5) -> float:
+    """Fastest ms of one head pass over `tokens` entries per row for `rows` rows after a `prefix`-entry
+    cache, with its draft-vocabulary log-softmax and top-k: one draft step's cost."""
+    dev = runner.device
+    cache = runner.new_cache(rows, prefix + tokens + 1)
+    cache.lens[:rows] = prefix
+    h = runner.config.hidden_size
+    emb = torch.randn(rows, tokens, h, dtype=runner.dtype, device=dev)
+    x = torch.randn(rows, tokens, h, dtype=runner.dtype, device=dev)
+    pos = torch.full((rows, tokens), prefix, device=dev)
+    vis = torch.ones(rows, tokens, tokens, dtype=torch.bool, device=dev)
+    best = float("inf")
+    with torch.inference_mode():
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            out = runner(emb, x, cache, DraftBlock(pos, slice(0, rows), 0, vis))
+            torch.log_softmax(runner.logits(out).float(), -1).topk(min(4, runner.vocab), -1)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                best = min(best, (time.perf_counter() - t0) * 1000)
+    return best

@@ -44,7 +44,7 @@ def predicted_tau(tree: str, report: dict) -> float:
     """The tokens per step a `tree` (dynamic-N[xD[xK]]) of this head is expected to accept, from its
     held-out rank accuracies (what auto mode plans with)."""
     from medusa.decoding.trees.dynamic_tree import parse_shape
-    from medusa.decoding.proposers.feature_proposer import expected_tau_dynamic
+    from medusa.decoding.trees.dynamic_tree import expected_tau_dynamic
 
     return expected_tau_dynamic(parse_shape(tree), report["rank_accuracy"])
 

@@ -18,7 +18,7 @@ head's own small KV cache keeps every committed position: one per row, ragged, l
 (`medusa.decoding.proposers.draft`): entries are exact as long as the committed tokens they came from are unchanged.
 
 This module holds the head itself (config, training-side forward, saving and loading); its inference copy
-over a ragged KV cache is `medusa.decoding.proposers.feature_runner`, the proposer
+over a ragged KV cache is `medusa.decoding.proposers.feature_proposer`, the proposer
 `medusa.decoding.proposers.feature_proposer`.
 
 On disk (`medusa export` / `save`): ours (`heads.json` with `"kind": "feature"` + `feature_head.safetensors`),

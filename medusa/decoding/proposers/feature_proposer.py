@@ -1,24 +1,31 @@
-"""The feature-head proposer: each engine step the head catches up on the row's newly committed positions
-(their true features come from the verification pass that accepted them), then grows a dynamic tree
-(`medusa.decoding.trees.dynamic_tree`) of `nodes` candidates, `depth` draft steps deep, expanding the `topk` best
-frontier nodes each step. Also the tree budgets a head can fill and their expected acceptance.
+"""Feature heads at inference (`medusa.decoding.proposers.feature_heads`): the proposer and what it runs.
+
+Each engine step the head catches up on the row's newly committed positions (their true features come from
+the verification pass that accepted them), then grows a dynamic tree (`medusa.decoding.trees.dynamic_tree`) of
+`nodes` candidates, `depth` draft steps deep, expanding the `topk` best frontier nodes each step. The head runs
+as `HeadRunner`, its packed copy in the target's dtype: the target's own layer architecture through
+`medusa.decoding.target.transformer`'s fused, packed layer code and attention, over its own per-row KV cache
+(`FeatureState`, kept beside a batch); its vocabulary projection reads only the draft vocabulary (`draft_ids`).
 """
 
 from __future__ import annotations
 
-import functools
+import copy
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from medusa.decoding.trees.dynamic_tree import DEFAULT_TOPK, NEG, Growth, Pool, TreeShape, expand, pool_size
+from medusa.decoding.proposers import GrowingProposer, RowState, aux_state, catch_up, common_prefix, context, rewound
 from medusa.decoding.proposers.feature_heads import FeatureHead
-from medusa.decoding.proposers.feature_runner import DraftBlock, FeatureState, HeadRunner, LayerTaps
-from medusa.decoding.proposers import GrowingProposer, aux_state, catch_up, common_prefix, context, rewound
-from medusa.decoding.target.transformer import Transformer, causal
-from medusa.decoding.trees.tree import build_tree, expected_tau
-from medusa.decoding.verifier import ACCEPT_REJECTION, sample_from
+from medusa.decoding.target.kernels import LayerInputs, packed_linear, pass_mask, rows_linear, short_block_bias
+from medusa.decoding.target.taps import LayerTaps
+from medusa.decoding.target.transformer import (SHORT_BLOCK, DecoderLayer, KVCache, RMSNorm, RotaryTable, Transformer,
+                                                attention_dtype, cache_dtype, causal)
+from medusa.decoding.trees.dynamic_tree import NEG, Growth, Pool, TreeShape, expand
+from medusa.decoding.verifier import ACCEPT_REJECTION, Verdict, sample_from
 from medusa.errors import MedusaError
 
 if TYPE_CHECKING:
@@ -211,31 +218,157 @@ def _chain_first(tok: torch.Tensor, score: torch.Tensor, pick: torch.Tensor, sam
     return tok, score
 
 
-def shape_candidates(max_nodes: int = 64, max_depth: int = 8, topk: int = DEFAULT_TOPK) -> list[TreeShape]:
-    sizes = [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64]
-    out = []
-    for depth in range(1, max_depth + 1):
-        for n in sizes:
-            if n <= max_nodes and n >= depth and pool_size(depth, topk) >= n:
-                out.append(TreeShape(n, depth, min(topk, n)))
-    return out
+class _HeadLayer(DecoderLayer):
+    """`medusa.decoding.target.transformer.DecoderLayer` (fused, packed projections, the shared attention) with the
+    head's
+    inputs: eagle1 attends over x itself (no input norm); eagle3 over [norm(emb), norm(x)], residual x."""
+
+    def __init__(self, head: FeatureHead, head_dim: int):
+        super().__init__(head.layer, head_dim)
+        self.hnorm = RMSNorm(head.hidden_norm) if head.hidden_norm is not None else None
+
+    def forward(self, emb: torch.Tensor, x: torch.Tensor, at: LayerInputs, kv: torch.Tensor) -> torch.Tensor:
+        """DecoderLayer.forward with the head's embeddings `emb` beside x."""
+        a_in = x if self.hnorm is None else torch.cat([self.ln1.forward(emb), self.hnorm.forward(x)], -1)
+        return self.block(a_in, x, at, kv)
 
 
-def expected_tau_dynamic(shape: TreeShape, accuracy: list[list[float]]) -> float:
-    """Expected tokens per step of a `shape` tree from per-draft-step rank accuracies (eval.json), taken
-    as the best static tree of that budget: a dynamic tree, chosen per row, does at least as well (on the
-    shipped head's held-out texts it measured the same, within 0.01). accuracy[j][r]: the rank-r token at
-    depth j + 1 is right given the path to it was accepted (`medusa.train.feature_eval.evaluate_head`
-    counts it along the accepted paths); accuracies counted over every position instead (eval.json of
-    heads evaluated before that) treat the depths as independent and come out lower."""
-    return _expected_tau_dynamic(shape, tuple(tuple(row[: shape.topk]) for row in accuracy[: shape.depth]))
+@dataclass
+class DraftBlock:
+    """Where one pass of a feature head writes its t entries per row, and what they see (`HeadRunner`).
+
+    positions: [B, t] long, each entry's position in its sequence
+    rows:      slice, the cache rows the B rows are
+    used:      int, draft entries already written past each row's committed length (cache.lens); this
+               block goes after them
+    visible:   [B, t, used + t] bool, which of those draft entries and of this block each entry sees (every
+               committed entry is seen)
+    longest:   max(cache.lens[rows]) when the caller knows it (a draft's passes share it; reading it from
+               the device each pass would wait for the device), else None
+    """
+
+    positions: torch.Tensor
+    rows: slice
+    used: int
+    visible: torch.Tensor
+    longest: int | None = None
 
 
-@functools.lru_cache(maxsize=4096)
-def _expected_tau_dynamic(shape: TreeShape, acc: tuple[tuple[float, ...], ...]) -> float:
-    # Cached: every new auto-mode planner (one per request or run) weighs the same ~100 shapes, and
-    # building their trees costs more than a whole speculative step.
-    if not acc:
-        return 1.0
-    rows = [list(r) for r in acc]
-    return expected_tau(build_tree(rows, shape.nodes).nodes, rows)
+class HeadRunner(nn.Module):
+    """The head's inference copy in the target's dtype: packed weights, a pass over a ragged cache."""
+
+    def __init__(self, head: FeatureHead, dtype: torch.dtype, vocab: int | None = None):
+        super().__init__()
+        original, embed, borrowed = head, head.embed, head._target
+        original._target = []  # the target is borrowed: never copied
+        try:
+            head = copy.deepcopy(original).to(dtype)
+        finally:
+            original._target = borrowed
+        cfg = head.layer_config
+        self.config = head.config
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.layer = _HeadLayer(head, self.head_dim)
+        self.fc = packed_linear(head.fc.requires_grad_(False))
+        lm = head.lm_head.requires_grad_(False)
+        ids = head.draft_ids
+        if vocab is not None and vocab < len(ids):  # the first `vocab` draft ids (trained heads: most frequent)
+            lm = rows_linear(head.lm_head.weight, slice(0, vocab), dtype)
+            ids = ids[:vocab]
+        self.lm_head = packed_linear(lm)
+        self.norm = RMSNorm(head.norm) if head.norm is not None else None
+        self.rotary = head.rotary
+        self.rope = RotaryTable(self.rotary)
+        self._embed = [embed]
+        self.register_buffer("draft_ids", ids.clone(), persistent=False)
+        self.vocab = len(ids)
+        self.dtype = dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.draft_ids.device
+
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        kv_dtype = cache_dtype(self.device.type, self.dtype, rows)
+        return KVCache(1, rows, self.n_kv, capacity, self.head_dim, kv_dtype, self.device)
+
+    def inputs(self, tokens: torch.Tensor, feats: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embedding of tokens, the layer's residual input) for tokens [B, T], feats [B, T, F or h]."""
+        emb = self._embed[0](tokens).to(self.dtype)
+        if self.config.style == "eagle1":
+            return emb, self.fc.forward(torch.cat([emb, feats.to(self.dtype)], -1))
+        return emb, self.fc.forward(feats.to(self.dtype)) if fused else feats
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.forward(out if self.norm is None else self.norm.forward(out))
+
+    def forward(self, emb: torch.Tensor, x: torch.Tensor, cache: KVCache, block: DraftBlock) -> torch.Tensor:
+        """One pass over emb, x [B, t, h] (`inputs`) written into `cache` where `block` says -> [B, t, h]."""
+        positions, rows, used = block.positions, block.rows, block.used
+        b, t = positions.shape
+        hl = cache.lens[rows]
+        span = used + t
+        window = (int(hl.max()) if block.longest is None else block.longest) + span
+        if window > cache.capacity:
+            raise MedusaError(f"feature head cache of {cache.capacity} entries is too small for {window}")
+        mask = pass_mask(hl, block.visible, window, window - span if b == 1 else None)
+        bias = None
+        if t <= SHORT_BLOCK:
+            bias = short_block_bias(mask, self.n_kv, self.n_heads // self.n_kv,
+                                    attention_dtype(x.device.type, self.dtype, cache.data.dtype, b * t))
+        slots = window - span + used if b == 1 else hl[:, None] + used + torch.arange(t, device=x.device)
+        at = LayerInputs(self.rope(x, positions, cache.capacity), cache.data[:, :, rows, :, :window],
+                         torch.arange(b, device=x.device)[:, None], slots, mask, bias)
+        return self.layer.forward(emb, x, at, at.kv[0])
+
+
+class FeatureState(RowState):
+    """Per-row state beside a batch: the head's cache, the target features of committed positions and the
+    tokens both were computed from (`seq[r, s]` = x_s; the pending root included)."""
+
+    def __init__(self, runner: HeadRunner, rows: int, capacity: int, feature_dim: int, taps: "LayerTaps | None" = None):
+        self.runner = runner
+        self.taps = taps  # fused multi-layer features: read from taps on the target's layers
+        dev = runner.device
+        self.cache = runner.new_cache(rows, capacity)
+        self.seq = torch.full((rows, capacity), -1, dtype=torch.long, device=dev)
+        self.feats = torch.zeros(rows, capacity, feature_dim, dtype=runner.dtype, device=dev)
+        self.feat_len = torch.zeros(rows, dtype=torch.long, device=dev)
+
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        self.cache.move_rows(src, dst)
+        if src:
+            s, d = torch.tensor(src, device=self.seq.device), torch.tensor(dst, device=self.seq.device)
+            self.seq[d] = self.seq[s]
+            self.feats[d] = self.feats[s]
+            self.feat_len[d] = self.feat_len[s]
+
+    def prefilled(self, rows: slice, tokens: torch.Tensor, lengths: torch.Tensor, hidden: torch.Tensor,
+                  start: int = 0) -> None:
+        """The engine's prefill of new rows (or a chunk of one): keep their prompt features (so no second
+        pass is needed)."""
+        end = start + tokens.shape[1]
+        self.seq[rows, start:end] = tokens
+        self.feats[rows, start:end] = self.features(hidden).to(self.feats.dtype)
+        self.feat_len[rows] = start + lengths
+        self.cache.lens[rows] = 0
+
+    def committed(self, lens: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, verdict: Verdict) -> None:
+        """An engine step over rows [0, n) at lengths `lens` [n] (speculative or plain, any proposer): keep
+        the true features of the positions it commits (the accepted path, root first), so speculation that
+        resumes after plain steps needs no second target pass. Rows whose features already lag keep lagging
+        (the proposer refills them)."""
+        n = hidden.shape[0]
+        rows = torch.arange(n, device=hidden.device)[:, None]
+        j = torch.arange(verdict.path.shape[1], device=hidden.device)
+        keep = j[None, :] <= verdict.accepted[:, None]
+        pos = (lens[:, None] + j).clamp(max=self.feats.shape[1] - 1)
+        feats = self.features(hidden)[rows, verdict.path].to(self.feats.dtype)
+        self.feats[rows, pos] = torch.where(keep[:, :, None], feats, self.feats[rows, pos])
+        self.seq[rows, pos] = torch.where(keep, tokens.gather(1, verdict.path), self.seq[rows, pos])
+        self.feat_len[:n] = torch.where(self.feat_len[:n] >= lens, lens + verdict.accepted + 1, self.feat_len[:n])
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's input features of the target pass that just ran (its final hidden states `hidden`)."""
+        return hidden if self.taps is None else self.taps.features(hidden)

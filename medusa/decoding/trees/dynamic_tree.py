@@ -15,18 +15,20 @@ sees only the root and itself, and is on no path and in no child list, so it can
 Proposers that grow such trees are `medusa.decoding.proposers.GrowingProposer`s: `grow` gives a step's
 `Growth` (the scored pool), `draft` keeps its N best nodes; per-row state that must follow what each step
 commits (a feature head's features) is a `RowState` in `batch.aux` and hears of every step, speculative or
-not (`committed`).
+not (`committed`). Also here: the shapes a planner weighs (`shape_candidates`) and a shape's expected tokens
+per step from a head's per-depth rank accuracies (`expected_tau_dynamic`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from medusa.decoding.proposers import GrowingProposer
-from medusa.decoding.trees.tree import Tree
+from medusa.decoding.trees.tree import Tree, build_tree, expected_tau
 from medusa.decoding.verifier import RowTrees
 from medusa.errors import MedusaError
 
@@ -303,3 +305,33 @@ class MedusaDynamicProposer(GrowingProposer):
             best = scores.topk(k, -1).indices
             front_pool, front_score = start + best, scores.gather(1, best)
         return Growth(pool, self.depth)
+
+
+def shape_candidates(max_nodes: int = 64, max_depth: int = 8, topk: int = DEFAULT_TOPK) -> list[TreeShape]:
+    sizes = [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64]
+    out = []
+    for depth in range(1, max_depth + 1):
+        for n in sizes:
+            if n <= max_nodes and n >= depth and pool_size(depth, topk) >= n:
+                out.append(TreeShape(n, depth, min(topk, n)))
+    return out
+
+
+def expected_tau_dynamic(shape: TreeShape, accuracy: list[list[float]]) -> float:
+    """Expected tokens per step of a `shape` tree from per-draft-step rank accuracies (eval.json), taken
+    as the best static tree of that budget: a dynamic tree, chosen per row, does at least as well (on the
+    shipped head's held-out texts it measured the same, within 0.01). accuracy[j][r]: the rank-r token at
+    depth j + 1 is right given the path to it was accepted (`medusa.train.feature_eval.evaluate_head`
+    counts it along the accepted paths); accuracies counted over every position instead (eval.json of
+    heads evaluated before that) treat the depths as independent and come out lower."""
+    return _expected_tau_dynamic(shape, tuple(tuple(row[: shape.topk]) for row in accuracy[: shape.depth]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected_tau_dynamic(shape: TreeShape, acc: tuple[tuple[float, ...], ...]) -> float:
+    # Cached: every new auto-mode planner (one per request or run) weighs the same ~100 shapes, and
+    # building their trees costs more than a whole speculative step.
+    if not acc:
+        return 1.0
+    rows = [list(r) for r in acc]
+    return expected_tau(build_tree(rows, shape.nodes).nodes, rows)
