@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -73,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         prefilling.PACK_PADDING = default_rule
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(args.json, report)
     return 0
 

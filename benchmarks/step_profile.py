@@ -25,7 +25,6 @@ import json
 import statistics
 import time
 from collections import Counter, defaultdict
-from pathlib import Path
 
 import torch
 
@@ -176,7 +175,6 @@ def main(argv: list[str] | None = None) -> int:
                 indent = "    " if label in NESTED else "  "
                 print(f"{indent}{label:26s} {ms:7.2f} ms  {ms / plain_ms:5.2f}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(args.json, report)
     return 0
 

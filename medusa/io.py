@@ -76,8 +76,10 @@ def validate(model: type[M], data: dict[str, Any], where: str) -> M:
 
 def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
     """`write(tmp)` fills a temporary file beside `path` (same suffix, so writers that go by the suffix
-    work), which is then renamed onto `path`; the temporary file never outlives a failure."""
+    work), which is then renamed onto `path` (its folder made if missing); the temporary file never outlives
+    a failure."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
     os.close(fd)
     try:
