@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Hashable
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from medusa.errors import MedusaError
 from medusa.decoding.batch import Batch, Prefill
@@ -32,7 +33,7 @@ class Prefilling:
     def add(self, batch: Batch, ids: list[Hashable], prompts: list[list[int]],
             max_new_tokens: int | list[int], sampling: list[SamplingParams] | None = None,
             logprobs: list[int | None] | None = None, start: list[int] | None = None) -> StepOutput:
-        """Prefill new rows (right-padded into one pass) and decide each row's first token.
+        """Prefill new rows (one pass, right-padded or unpadded: `_prefill`) and decide each row's first token.
 
         `logprobs[i]`: None, or k (0..MAX_TOP_LOGPROBS) to get row i's log-probabilities in every
         StepOutput (the emitted token's and the k most likely).
@@ -162,11 +163,7 @@ class Prefilling:
         dev = tokens.device
         parts = [PassInputs(tokens[i:i + 1, :n], start + torch.arange(n, device=dev)[None],
                             slice(rows.start + i, rows.start + i + 1), causal(n, dev)) for i, n in enumerate(sizes)]
-        out = self.model.forward_parts(batch.cache, parts)
-        hidden = out[0].new_zeros(*tokens.shape, out[0].shape[-1])
-        for i, (h, n) in enumerate(zip(out, sizes)):
-            hidden[i, :n] = h[0]
-        return hidden
+        return pad_sequence([h[0] for h in self.model.forward_parts(batch.cache, parts)], batch_first=True)
 
     @staticmethod
     def _prefilled(batch: Batch, rows: slice, tokens: torch.Tensor, lengths: torch.Tensor, hidden: torch.Tensor,

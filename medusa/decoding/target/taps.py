@@ -1,6 +1,6 @@
 """Taps on the target's layers for fused-feature (eagle3) heads: a layer wrapped so that it keeps its last output,
-and `LayerTaps`, which reads the fused features of a pass from them. A target with taps runs every pass part by
-part (`medusa.decoding.target.transformer.Transformer.fuses_parts`)."""
+and `LayerTaps`, which reads the fused features of a pass from them. A target with taps runs no pass of several
+parts (`medusa.decoding.target.transformer.Transformer.fuses_parts`): the taps hold one pass's outputs."""
 
 from __future__ import annotations
 
