@@ -40,11 +40,18 @@ def test_self_prompts_mix_with_a_file_and_the_card_records_it(embedded, tmp_path
     assert sum(sp["dropped"].values()) == len(records) - 4 and 0 <= sp["dedup_rate"] <= 1
     assert sp["settings"]["temperature"] == 1.0 and sp["examples"]["kept"]
     assert card["answers"]["rows"] == 7 and card["answers"]["shards"] == card["answers"]["of_shards"] == 3
+    assert card["answers"]["rows_by_dtype"] == {"fp32": 7}
     run = card["runs"][-1]
     assert run["dtype"] == "fp32" and run["torch"] and run["machine_facts"]["name"] and "command" in run
     md = (out / "card.md").read_text()
     assert "Self-written prompts" in md and "self:4" in md and "Kept, for example" in md
-    # a second run finds everything done and only adds itself to the card
+    assert "answered in fp32 (7 rows)" in md
+    # a second run finds everything done and only adds itself to the card (and the dtypes a card from before
+    # they were kept lacks, from each shard's count.json)
+    old = json.loads((out / "card.json").read_text())
+    for shard in old["answers"]["per_shard"].values():
+        del shard["dtype"]
+    (out / "card.json").write_text(json.dumps(old))
     run_distill(config(tmp_path, ["file", "self:4"]), runtime=embedded, show_progress=False)
     again = json.loads((out / "card.json").read_text())
     assert len(again["runs"]) == 2 and again["answers"] == card["answers"]

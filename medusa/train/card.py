@@ -4,7 +4,7 @@ It records the sources and their share of the prompts, the prompts' lengths in t
 (the topic a self-written prompt was asked for, else a keyword guess, medusa.train.prompt_filters.guess_kind),
 for self-written prompts the settings, the candidates tried, what was dropped and why (duplicates among them),
 the cost, and examples kept and dropped; the answers written so far (shards, rows, answer tokens, finish
-reasons); and every run that added to the directory (command, machine, torch version, dtype). `medusa
+reasons, rows per dtype they were answered in: a directory resumed on other machines can mix them); and every run that added to the directory (command, machine, torch version, dtype). `medusa
 distill` writes it when the prompts are chosen and again after every shard.
 """
 
@@ -55,12 +55,22 @@ def self_summary(records: list[dict], settings: dict | None) -> dict:
 
 
 def shard_stats(path: Path) -> dict:
-    """Rows, answer tokens and finish reasons of one written shard."""
+    """Rows, answer tokens and finish reasons of one written shard, and the dtype it was answered in."""
     from datasets import load_from_disk
 
     ds = load_from_disk(str(path))
     return {"rows": len(ds), "answer_tokens": sum(len(r) for r in ds["response_ids"]),
-            "finish": dict(Counter(ds["finish_reason"]))}
+            "finish": dict(Counter(ds["finish_reason"])), "dtype": shard_dtype(path)}
+
+
+def shard_dtype(path: Path) -> str:
+    """The dtype a shard's answers were computed in, from its count.json ("served": by an OpenAI-compatible
+    server; "unknown" for shards written before it was recorded)."""
+    try:
+        made = json.loads((path / "count.json").read_text())
+    except (OSError, ValueError):
+        return "unknown"
+    return made.get("dtype") or ("served" if made.get("server") else "unknown")
 
 
 class DataCard:
@@ -98,27 +108,33 @@ class DataCard:
         if records:
             self.data["self_prompts"] = self_summary(records, self_settings)
         self.total_shards = -(-len(selected) // shard_size)
+        per = self.data["answers"]["per_shard"]
         for path in sorted(self.dir.glob("shard-*")):
-            if (path / "count.json").exists() and path.name not in self.data["answers"]["per_shard"]:
-                self.data["answers"]["per_shard"][path.name] = shard_stats(path)
+            if (path / "count.json").exists() and path.name not in per:
+                per[path.name] = shard_stats(path)
+            elif path.name in per and "dtype" not in per[path.name]:  # a card from before dtypes were kept
+                per[path.name]["dtype"] = shard_dtype(path)
         self.write()
 
     def shard(self, name: str, rows: list, seconds: float) -> None:
         """A shard was written: rows are its Finished answers."""
         self.data["answers"]["per_shard"][name] = {"rows": len(rows), "answer_tokens": sum(len(g.tokens) for g in rows),
                                                    "finish": dict(Counter(g.reason for g in rows)),
-                                                   "seconds_since_start": seconds}
+                                                   "seconds_since_start": seconds,
+                                                   "dtype": shard_dtype(self.dir / name)}
         self.write()
 
     def write(self) -> None:
         per = self.data["answers"]["per_shard"]
         finish: Counter = Counter()
+        dtypes: Counter = Counter()
         for s in per.values():
             finish.update(s["finish"])
+            dtypes[s.get("dtype", "unknown")] += s["rows"]
         self.data["answers"].update({"shards": len(per), "of_shards": self.total_shards,
                                      "rows": sum(s["rows"] for s in per.values()),
                                      "answer_tokens": sum(s["answer_tokens"] for s in per.values()),
-                                     "finish": dict(finish)})
+                                     "finish": dict(finish), "rows_by_dtype": dict(dtypes.most_common())})
         self.data["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         write_text_atomic(self.dir / CARD_JSON, json.dumps(self.data, indent=2, ensure_ascii=False) + "\n")
         write_text_atomic(self.dir / CARD_MD, markdown(self.data))
@@ -131,11 +147,13 @@ def _quote(text: str) -> str:
 def markdown(card: dict) -> str:
     run = card["runs"][-1]
     lines = [f"# Data card: {card['name']}", "",
-             f"Target `{card['model']}` ({card['dtype']}); {card.get('prompts', 0)} prompts, answers in "
+             f"Target `{card['model']}`; {card.get('prompts', 0)} prompts, answers in "
              f"{card['answers']['shards']} of {card['answers']['of_shards']} shards "
              f"({card['answers']['rows']} rows, {card['answers']['answer_tokens']} answer tokens"
              + ("; finish reasons " + ", ".join(f"{k} {v}" for k, v in card["answers"]["finish"].items())
-                if card["answers"]["finish"] else "") + ").", "",
+                if card["answers"]["finish"] else "") + ")"
+             + ("; answered in " + ", ".join(f"{k} ({v} rows)" for k, v in card["answers"]["rows_by_dtype"].items())
+                if card["answers"].get("rows_by_dtype") else "") + ".", "",
              f"Last run: `{run['command']}` on {run['machine']}, torch {run['torch']}, {run['dtype']} "
              f"({run['started']}; {len(card['runs'])} runs in all, card.json lists them).", "",
              "| source | prompts | share | prompt tokens (median / p90 / max) | kinds |", "|---|---:|---:|---|---|"]
