@@ -3,6 +3,7 @@
     python benchmarks/train_throughput.py feature --steps 30 --rev 05335ee   # train-feature: then vs fp32 vs auto
     python benchmarks/train_throughput.py distill --prompts 256   # medusa distill: batch 16 vs auto
     python benchmarks/train_throughput.py medusa --steps 10       # medusa train: cached hidden states vs live
+    python benchmarks/train_throughput.py extract --prompts 96    # train-feature's cache: chunks alone vs together
 
 feature: trained positions per second of the configured feature-head recipe with `precision=fp32` and with
 `precision=auto` (bf16 matmuls with fp32 master weights where the CPU multiplies bf16 natively), on the
@@ -10,7 +11,10 @@ configured run's cached features (`medusa train-feature --prepare-only` first, o
 distill: answer tokens per second of greedy distillation with the former fixed batch size (16) and with the
 batch size `distill_batch_size: auto` picks from the calibrated curve, on the same prompts.
 medusa: label positions per second of Medusa-1 training from cached hidden states and with a live frozen
-forward per step. Every result names the machine; `--out FILE` writes them as JSON.
+forward per step. extract: positions per second of the offline feature cache (`medusa train-feature
+--prepare-only`) with each missing chunk extracted alone and with chunks extracted together
+(`medusa.train.feature_data.EXTRACT_SEQUENCES`), on the config's first `--prompts` sequences, each into an
+empty cache, with the padded positions each way (`--count-only`: only those, no target loaded). Every result names the machine; `--out FILE` writes them as JSON.
 """
 
 from __future__ import annotations
@@ -128,6 +132,59 @@ def distill_rows(config: str, prompts: int, overrides: list[str]) -> list[dict]:
     return rows
 
 
+def extract_rows(config: str, prompts: int, overrides: list[str], count_only: bool = False) -> list[dict]:
+    import torch
+
+    import medusa.train.feature_data as fd
+    from medusa.decoding.target.model import load_target
+    from medusa.train.data import length_batches, load_examples
+    from medusa.train.feature import chunk_groups, load_feature_config
+
+    cfg = load_feature_config(config, overrides + [f"data.limit={prompts}"])
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if count_only:
+        from transformers import AutoTokenizer
+
+        from medusa.decoding.target.model import resolve_model_dir
+
+        hf, tokenizer = None, AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model))
+    else:
+        hf, tokenizer = load_target(cfg.model, cfg.dtype, "cpu")
+    chunks = [(name, "bench", exs) for name, exs in chunk_groups(cfg, load_examples(cfg, tokenizer))]
+    if hf is not None:
+        fn = fd.feature_fn(hf, cfg.head.feature_layers)
+        fd.extract([e for _, _, exs in chunks[:1] for e in exs][:2], fn)  # warm-up: kernels chosen
+    positions = sum(len(e["input_ids"]) for _, _, exs in chunks for e in exs)
+    rows = []
+    for label, together in (("alone", 1), ("together", fd.EXTRACT_SEQUENCES)):
+        padded, i = 0, 0
+        while i < len(chunks):  # the same grouping extract_missing makes
+            j, n = i + 1, len(chunks[i][2])
+            while j < len(chunks) and n + len(chunks[j][2]) <= together:
+                n += len(chunks[j][2])
+                j += 1
+            exs = [e for _, _, c in chunks[i:j] for e in c]
+            padded += sum(len(b) * max(len(exs[k]["input_ids"]) for k in b) for b in length_batches(exs, 4096))
+            i = j
+        row = {"what": "extract", "chunks": label, "sequences_per_extraction": together,
+               "sequences": sum(len(c) for _, _, c in chunks), "positions": positions, "padded_positions": padded,
+               "padding": round(padded / positions - 1, 4)}
+        if count_only:
+            rows.append(row)
+            continue
+        saved, fd.EXTRACT_SEQUENCES = fd.EXTRACT_SEQUENCES, together
+        try:
+            with tempfile.TemporaryDirectory() as run_dir:
+                start = time.perf_counter()
+                fd.extract_missing(Path(run_dir), chunks, fn)
+                seconds = time.perf_counter() - start
+        finally:
+            fd.EXTRACT_SEQUENCES = saved
+        rows.append(row | {"seconds": round(seconds, 2), "positions_per_s": round(positions / seconds, 1)})
+    return rows
+
+
 def medusa_rows(config: str, steps: int, batch: int, seqs: int, subset: int | None) -> list[dict]:
     from medusa.train.config import load_config
     from medusa.train.trainer import run_training
@@ -151,7 +208,7 @@ def medusa_rows(config: str, steps: int, batch: int, seqs: int, subset: int | No
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["feature", "distill", "medusa"])
+    p.add_argument("what", choices=["feature", "distill", "medusa", "extract"])
     p.add_argument("--config", help="training YAML (default: configs/feature/smollm2-feature.yaml for feature, "
                                     "configs/train/smollm2-medusa1.yaml otherwise)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
@@ -160,7 +217,10 @@ def main() -> int:
                    help="feature: sequences per step (default: the config's); medusa: positions per step (256)")
     p.add_argument("--sequences", type=int, default=2, help="medusa: sequences per step (plain path)")
     p.add_argument("--vocab-subset", type=int, default=None, help="medusa: loss.vocab_subset for both paths")
-    p.add_argument("--prompts", type=int, default=256, help="distill: prompts answered per batch-size setting")
+    p.add_argument("--prompts", type=int, default=256,
+                   help="distill: prompts answered per batch-size setting; extract: prompts whose features are made")
+    p.add_argument("--count-only", action="store_true",
+                   help="extract: count the padded positions each way, extracting nothing (no target loaded)")
     p.add_argument("--rev", help="feature: also measure the package as it was at this git revision (before/after)")
     p.add_argument("--out", help="write the rows, with the machine and the command, to this JSON file")
     args = p.parse_args()
@@ -173,6 +233,11 @@ def main() -> int:
                                            args.batch_size, args.set, args.rev))
             rows = [rows[0], rows[2], rows[1]]  # before, then after: ratio = after (auto) / before
             ratio = f"auto_over_{args.rev}"
+    elif args.what == "extract":
+        rows = extract_rows(args.config or "configs/feature/smollm2-feature.yaml", args.prompts, args.set,
+                            args.count_only)
+        key, ratio = ("padded_positions", "together_over_alone") if args.count_only else \
+            ("positions_per_s", "together_over_alone")
     elif args.what == "distill":
         rows = distill_rows(args.config or "configs/train/smollm2-medusa1.yaml", args.prompts, args.set)
         key, ratio = "answer_tokens_per_s", "auto_over_fixed"

@@ -546,6 +546,44 @@ def test_cached_feature_rows_stay_in_their_files_and_read_as_built(tmp_path):
         both.feats.rows(8, 12)
 
 
+def test_missing_chunks_are_extracted_together_and_saved_apart(tmp_path, monkeypatch):
+    """Missing chunks are extracted several at a time (length-sorted together, so short chunks pad less)
+    and each is saved to its own keyed file with the rows it would have alone; present chunks are skipped,
+    and a chunk whose inputs changed is extracted again by itself."""
+    import medusa.train.feature_data as fd
+
+    model = tiny_model("llama", vocab=V, seed=4)
+    g = torch.Generator().manual_seed(3)
+
+    def examples(lengths):
+        return [{"input_ids": torch.randint(0, V, (n,), generator=g).tolist(), "loss_mask": [0, 0] + [1] * (n - 2)}
+                for n in lengths]
+
+    chunks = [("c0", "k0", examples([5, 17])), ("c1", "k1", examples([9, 12, 6])), ("c2", "k2", examples([14] * 4))]
+    fn = fd.feature_fn(model, [])
+    calls, alone = [], fd.extract
+
+    def counted(exs, f, progress=False):
+        calls.append(len(exs))
+        return alone(exs, f, progress)
+
+    monkeypatch.setattr(fd, "EXTRACT_SEQUENCES", 5)
+    monkeypatch.setattr(fd, "extract", counted)
+    assert fd.extract_missing(tmp_path, chunks, fn) == 3
+    assert calls == [5, 4]  # c0 + c1 together (5 sequences), then c2
+    for name, key, exs in chunks:
+        got = fd.cached_features(tmp_path, name, key, lambda: pytest.fail("should be cached"))
+        want = alone(exs, fn)
+        assert len(got) == len(exs) and torch.equal(got.offsets, want.offsets)
+        assert torch.allclose(got.feats.all().float(), want.feats.all().float(), atol=1e-2)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.answer, want.answer)
+        assert torch.equal(got.top, want.top)
+    calls.clear()
+    assert fd.extract_missing(tmp_path, chunks, fn) == 0 and calls == []
+    assert fd.extract_missing(tmp_path, [chunks[0], ("c1", "changed", chunks[1][2]), chunks[2]], fn) == 1
+    assert calls == [3]
+
+
 def test_a_run_resumed_on_more_data_keeps_its_draft_vocabulary(tiny_run, tmp_path, one_thread):
     """Distilling more prompts changes which answer tokens are most frequent; a run resumed on the grown data
     keeps the draft vocabulary its state was trained on, with the target's lm_head rows and the token map of

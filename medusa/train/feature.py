@@ -32,7 +32,7 @@ from medusa.train.config import OptimConfig, RunConfig, StrictConfig, WandbConfi
 from medusa.train.data import load_examples, split_groups
 from medusa.train.dist import Dist, shard_target
 from medusa.train.feature_data import (Features, OnlineFeatures, cached_features, draft_map, draft_vocabulary,
-                                       extract, feature_fn, sequence_order)
+                                       extract, extract_missing, feature_fn, sequence_order)
 from medusa.train.feature_eval import evaluate_head, evaluate_saved, measure_tau, other_answers, predicted_tau  # noqa: F401
 from medusa.train.feature_loss import head_loss, step_counts, unrolled, unrolled_mask  # noqa: F401
 from medusa.train.hidden import table_key
@@ -155,20 +155,18 @@ def chunk_groups(cfg: FeatureTrainConfig, groups: list[tuple[str, list[dict]]]) 
 
 
 def training_features(cfg: FeatureTrainConfig, groups, base: dict, fn, progress: bool, d: Dist | None = None) -> Features:
-    """Every chunk's cached features. With several processes each extracts every world-th missing chunk
-    (the target runs in all of them at once), then all read every chunk from the shared run directory."""
+    """Every chunk's cached features. The missing ones are extracted first (several chunks per extraction,
+    `extract_missing`); with several processes each takes every world-th chunk (the target runs in all of
+    them at once). Then all read every chunk from the shared run directory."""
     d = d or Dist()
-
-    def chunk(name: str, exs: list[dict]) -> Features:
-        key = table_key(base, cfg.dtype, cfg.head.feature_layers, name, [e["input_ids"] for e in exs])
-        return cached_features(Path(cfg.run_dir), name, key, lambda: extract(exs, fn, progress=progress and d.main))
-
+    run_dir = Path(cfg.run_dir)
+    keyed = [(name, table_key(base, cfg.dtype, cfg.head.feature_layers, name, [e["input_ids"] for e in exs]), exs)
+             for name, exs in groups]
+    extract_missing(run_dir, keyed[d.rank::d.world], fn, progress and d.main)
     if d.world > 1:
-        for i, (name, exs) in enumerate(groups):
-            if i % d.world == d.rank:
-                chunk(name, exs)
         d.barrier()
-    return Features.cat([chunk(name, exs) for name, exs in groups])
+    return Features.cat([cached_features(run_dir, name, key, lambda exs=exs: extract(exs, fn))
+                         for name, key, exs in keyed])
 
 
 def make_head(cfg: FeatureTrainConfig, hf, feats: Features, resume: Path | None):

@@ -4,7 +4,9 @@ Every training sequence goes through the frozen target once, in length-sorted ba
 features (final normed hidden states, or fused layers then the final one) and the target's greedy next
 token at every position are kept in a flat per-position table, cached under `run_dir/features/` (bf16, one
 file per chunk of sequences, reused while the data is unchanged, so an interrupted extraction resumes at
-the first missing chunk). Training reads the feature rows from those files batch by batch (memory-mapped),
+the first missing chunk). Missing chunks are extracted several at a time (`EXTRACT_SEQUENCES`), their sequences
+length-sorted together: a chunk of one distilled shard (32 sequences) alone pads its batches by about 28%,
+eight together by about 6%. Training reads the feature rows from those files batch by batch (memory-mapped),
 so the run's memory does not grow with the data or with the width of fused features.
 """
 
@@ -18,7 +20,7 @@ import torch
 
 from medusa.train.batches import epoch_order
 from medusa.train.data import length_batches, pad_batch
-from medusa.train.hidden import cached, save_keyed
+from medusa.train.hidden import cached, fresh, save_keyed
 
 
 class FeatureRows:
@@ -81,6 +83,16 @@ class Features:
         return cls(FeatureRows([piece for p in parts for piece in p.feats.pieces]),
                    torch.cat([p.tokens for p in parts]), torch.cat([p.answer for p in parts]),
                    torch.cat([p.top for p in parts]), torch.cat(offs))
+
+    def split(self, counts: list[int]) -> list["Features"]:
+        """The table cut into consecutive tables of `counts` sequences each (an in-memory table)."""
+        out, first = [], 0
+        for n in counts:
+            a, b = int(self.offsets[first]), int(self.offsets[first + n])
+            out.append(Features(self.feats.rows(a, b), self.tokens[a:b], self.answer[a:b], self.top[a:b],
+                                self.offsets[first: first + n + 1] - a))
+            first += n
+        return out
 
     def save(self, path: Path, key: str) -> None:
         save_keyed(path, {"feats": self.feats.all(), "tokens": self.tokens, "answer": self.answer.to(torch.uint8),
@@ -195,6 +207,31 @@ def extract(examples: list[dict], fn, batch_tokens: int = 4096, progress: bool =
     offsets = torch.tensor([0] + [len(s[1]) for s in seqs]).cumsum(0)
     return Features(torch.cat([s[0] for s in seqs]), torch.cat([s[1] for s in seqs]).long(),
                     torch.cat([s[2] for s in seqs]), torch.cat([s[3] for s in seqs]).long(), offsets)
+
+
+# Missing chunks are extracted together until they hold this many sequences (then each is saved to its file):
+# fewer padded positions, at the price of redoing up to this many sequences after an interruption.
+EXTRACT_SEQUENCES = 256
+
+
+def extract_missing(run_dir: Path, chunks: list[tuple[str, str, list[dict]]], fn, progress: bool = False) -> int:
+    """Extract and save every chunk (name, key, examples) whose cached file is missing or stale, several
+    chunks per `extract` (see `EXTRACT_SEQUENCES`). Returns how many chunks it extracted."""
+    todo = [c for c in chunks if not fresh(run_dir / "features" / f"{c[0]}.safetensors", c[1])]
+    i = 0
+    while i < len(todo):
+        j, n = i, 0
+        while j < len(todo) and (j == i or n + len(todo[j][2]) <= EXTRACT_SEQUENCES):
+            n += len(todo[j][2])
+            j += 1
+        together = todo[i:j]
+        feats = extract([e for _, _, exs in together for e in exs], fn, progress=progress)
+        for (name, key, _), part in zip(together, feats.split([len(exs) for _, _, exs in together])):
+            path = run_dir / "features" / f"{name}.safetensors"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part.save(path, key)
+        i = j
+    return len(todo)
 
 
 def cached_features(run_dir: Path, name: str, key: str, build) -> Features:

@@ -126,15 +126,21 @@ def save_keyed(path: Path, tensors: dict[str, torch.Tensor], key: str) -> None:
     write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key}))
 
 
+def fresh(path: Path, key: str) -> bool:
+    """Whether the cache file at `path` exists and was built from the inputs `key` names."""
+    if not path.exists():
+        return False
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return (f.metadata() or {}).get("key") == key
+
+
 def cached(path: Path, key: str, build: Callable[[], T], load: Callable[[Path], T]) -> T:
     """Load the cache at `path` if it was built from the same inputs (`key`), else build it and save it
     (`build()`'s result has `.save(path, key)`)."""
-    if path.exists():
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            if (f.metadata() or {}).get("key") == key:
-                return load(path)
+    if fresh(path, key):
+        return load(path)
     value = build()
     path.parent.mkdir(parents=True, exist_ok=True)
     value.save(path, key)
