@@ -4,8 +4,9 @@ It records the sources and their share of the prompts, the prompts' lengths in t
 (the topic a self-written prompt was asked for, else a keyword guess, medusa.train.prompt_filters.guess_kind),
 for self-written prompts the settings, the candidates tried, what was dropped and why (duplicates among them),
 the cost, and examples kept and dropped; the answers written so far (shards, rows, answer tokens, finish
-reasons, rows per dtype they were answered in: a directory resumed on other machines can mix them); and every run that added to the directory (command, machine, torch version, dtype). `medusa
-distill` writes it when the prompts are chosen and again after every shard.
+reasons, rows per dtype they were answered in: a directory resumed on other machines can mix them); and
+every run that added to the directory (command, machine, torch version, dtype). `medusa distill` writes it
+when the prompts are chosen and again after every shard.
 """
 
 from __future__ import annotations
