@@ -14,7 +14,8 @@ medusa: label positions per second of Medusa-1 training from cached hidden state
 forward per step. extract: positions per second of the offline feature cache (`medusa train-feature
 --prepare-only`) with each missing chunk extracted alone and with chunks extracted together
 (`medusa.train.feature_data.EXTRACT_SEQUENCES`), on the config's first `--prompts` sequences, each into an
-empty cache, with the padded positions each way (`--count-only`: only those, no target loaded). Every result names the machine; `--out FILE` writes them as JSON.
+empty cache, with the padded positions each way (`--count-only`: only those, no target loaded). Every
+result names the machine; `--out FILE` writes them as JSON.
 """
 
 from __future__ import annotations
