@@ -1,4 +1,4 @@
-"""Training throughput on this machine, side by side in one run, for the three costly steps of making heads:
+"""Training throughput on this machine, side by side in one run, for the costly steps of making heads:
 
     python benchmarks/train_throughput.py feature --steps 30 --rev 05335ee   # train-feature: then vs fp32 vs auto
     python benchmarks/train_throughput.py distill --prompts 256   # medusa distill: batch 16 vs auto
