@@ -159,29 +159,20 @@ def extract_rows(config: str, prompts: int, overrides: list[str], count_only: bo
     positions = sum(len(e["input_ids"]) for _, _, exs in chunks for e in exs)
     rows = []
     for label, together in (("alone", 1), ("together", fd.EXTRACT_SEQUENCES)):
-        padded, i = 0, 0
-        while i < len(chunks):  # the same grouping extract_missing makes
-            j, n = i + 1, len(chunks[i][2])
-            while j < len(chunks) and n + len(chunks[j][2]) <= together:
-                n += len(chunks[j][2])
-                j += 1
-            exs = [e for _, _, c in chunks[i:j] for e in c]
+        padded = 0
+        for group in fd.extraction_groups(chunks, together):
+            exs = [e for _, _, c in group for e in c]
             padded += sum(len(b) * max(len(exs[k]["input_ids"]) for k in b) for b in length_batches(exs, 4096))
-            i = j
         row = {"what": "extract", "chunks": label, "sequences_per_extraction": together,
                "sequences": sum(len(c) for _, _, c in chunks), "positions": positions, "padded_positions": padded,
                "padding": round(padded / positions - 1, 4)}
         if count_only:
             rows.append(row)
             continue
-        saved, fd.EXTRACT_SEQUENCES = fd.EXTRACT_SEQUENCES, together
-        try:
-            with tempfile.TemporaryDirectory() as run_dir:
-                start = time.perf_counter()
-                fd.extract_missing(Path(run_dir), chunks, fn)
-                seconds = time.perf_counter() - start
-        finally:
-            fd.EXTRACT_SEQUENCES = saved
+        with tempfile.TemporaryDirectory() as run_dir:
+            start = time.perf_counter()
+            fd.extract_missing(Path(run_dir), chunks, fn, together=together)
+            seconds = time.perf_counter() - start
         rows.append(row | {"seconds": round(seconds, 2), "positions_per_s": round(positions / seconds, 1)})
     return rows
 
@@ -237,8 +228,7 @@ def main() -> int:
     elif args.what == "extract":
         rows = extract_rows(args.config or "configs/feature/smollm2-feature.yaml", args.prompts, args.set,
                             args.count_only)
-        key, ratio = ("padded_positions", "together_over_alone") if args.count_only else \
-            ("positions_per_s", "together_over_alone")
+        key, ratio = "padded_positions" if args.count_only else "positions_per_s", "together_over_alone"
     elif args.what == "distill":
         rows = distill_rows(args.config or "configs/train/smollm2-medusa1.yaml", args.prompts, args.set)
         key, ratio = "answer_tokens_per_s", "auto_over_fixed"

@@ -214,23 +214,31 @@ def extract(examples: list[dict], fn, batch_tokens: int = 4096, progress: bool =
 EXTRACT_SEQUENCES = 256
 
 
-def extract_missing(run_dir: Path, chunks: list[tuple[str, str, list[dict]]], fn, progress: bool = False) -> int:
+def extraction_groups(chunks: list[tuple[str, str, list[dict]]], together: int | None = None) -> list[list]:
+    """Consecutive chunks (name, key, examples) grouped for one `extract` each: up to `together` sequences
+    (default `EXTRACT_SEQUENCES`), a larger chunk alone."""
+    limit = together or EXTRACT_SEQUENCES
+    groups: list[list] = []
+    n = 0
+    for chunk in chunks:
+        if groups and n + len(chunk[2]) <= limit:
+            groups[-1].append(chunk)
+            n += len(chunk[2])
+        else:
+            groups.append([chunk])
+            n = len(chunk[2])
+    return groups
+
+
+def extract_missing(run_dir: Path, chunks: list[tuple[str, str, list[dict]]], fn, progress: bool = False,
+                    together: int | None = None) -> int:
     """Extract and save every chunk (name, key, examples) whose cached file is missing or stale, several
-    chunks per `extract` (see `EXTRACT_SEQUENCES`). Returns how many chunks it extracted."""
+    chunks per `extract` (`extraction_groups`). Returns how many chunks it extracted."""
     todo = [c for c in chunks if not fresh(run_dir / "features" / f"{c[0]}.safetensors", c[1])]
-    i = 0
-    while i < len(todo):
-        j, n = i, 0
-        while j < len(todo) and (j == i or n + len(todo[j][2]) <= EXTRACT_SEQUENCES):
-            n += len(todo[j][2])
-            j += 1
-        together = todo[i:j]
-        feats = extract([e for _, _, exs in together for e in exs], fn, progress=progress)
-        for (name, key, _), part in zip(together, feats.split([len(exs) for _, _, exs in together])):
-            path = run_dir / "features" / f"{name}.safetensors"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            part.save(path, key)
-        i = j
+    for group in extraction_groups(todo, together):
+        feats = extract([e for _, _, exs in group for e in exs], fn, progress=progress)
+        for (name, key, _), part in zip(group, feats.split([len(exs) for _, _, exs in group])):
+            part.save(run_dir / "features" / f"{name}.safetensors", key)  # write_atomic makes the folder
     return len(todo)
 
 
